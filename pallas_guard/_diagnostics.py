@@ -1,0 +1,169 @@
+"""Kernel facts, call sites, and the one message builder behind every warning and error."""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import sys
+import threading
+import types
+import warnings
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+from ._errors import PallasGuardError, PallasGuardWarning
+from ._policy import POLICY_ENV, Setting
+from ._target import Target, accelerator_evidence
+
+
+class KernelInfo(NamedTuple):
+    name: str
+    defined_at: str | None
+    entry_point: str
+
+
+def _code_location(function: Any) -> str | None:
+    code = getattr(function, "__code__", None)
+    return f"{code.co_filename}:{code.co_firstlineno}" if code is not None else None
+
+
+def kernel_from_callable(kernel: object, *, entry_point: str, name: object = None) -> KernelInfo:
+    """Facts about a kernel body the user handed to an entry point (partials unwrapped)."""
+    function = kernel
+    while isinstance(function, functools.partial):
+        function = function.func
+    function = getattr(function, "__wrapped__", function)
+    label = getattr(function, "__qualname__", None) or getattr(function, "__name__", None)
+    if isinstance(name, str) and name:
+        label = f"{name} ({label})" if label and label != name else name
+    return KernelInfo(str(label or "<unnamed kernel>"), _code_location(function), entry_point)
+
+
+_SRC_INFO = re.compile(r"^(?P<name>.*?) at (?P<location>.+:\d+)$")
+
+
+def kernel_from_params(params: Mapping[str, Any], *, entry_point: str) -> KernelInfo:
+    """Facts about a kernel from its equation's parameters (the lowering net's only source)."""
+    jaxpr = params.get("jaxpr")
+    if jaxpr is None and params.get("jaxprs"):
+        jaxpr = params["jaxprs"][0]
+    debug_info = getattr(jaxpr, "debug_info", None) or getattr(getattr(jaxpr, "jaxpr", None), "debug_info", None)
+    src_info = str(getattr(debug_info, "func_src_info", "") or "")
+    match = _SRC_INFO.match(src_info)
+    label, location = (match["name"], match["location"]) if match else (None, None)
+    name = params.get("name")
+    if name_and_src := params.get("name_and_src_info"):
+        name = getattr(name_and_src, "name", name)
+    if isinstance(name, str) and name:
+        label = f"{name} ({label})" if label and label != name else name
+    return KernelInfo(label or "<unnamed kernel>", location, entry_point)
+
+
+# --- call sites ---------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=1)
+def _internal_prefixes() -> tuple[str, ...]:
+    prefixes = [os.path.dirname(os.path.abspath(__file__)) + os.sep]
+    for name in ("jax", "jaxlib", "wrapt"):
+        module = sys.modules.get(name)
+        module_file = getattr(module, "__file__", None)
+        if module_file:
+            prefixes.append(os.path.dirname(os.path.abspath(module_file)) + os.sep)
+    return tuple(prefixes)
+
+
+def user_call_site() -> str | None:
+    """``file:line`` of the innermost frame that is not jax, jaxlib, wrapt or pallas_guard."""
+    prefixes = _internal_prefixes()
+    frame: types.FrameType | None = sys._getframe(1)  # noqa: SLF001 - cheaper than inspect.stack(), which reads source files
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not filename.startswith(prefixes) and not filename.startswith("<frozen"):
+            return f"{filename}:{frame.f_lineno}"
+        frame = frame.f_back
+    return None
+
+
+# --- messages -----------------------------------------------------------------------------------
+
+
+def _describe(kernel: KernelInfo, call_site: str | None) -> str:
+    defined = f" (defined at {kernel.defined_at})" if kernel.defined_at else ""
+    called = f", called at {call_site}," if call_site else ""
+    return f"Pallas kernel {kernel.name!r}{defined}{called} via {kernel.entry_point}"
+
+
+def message(
+    *,
+    refused: bool,
+    kernel: KernelInfo,
+    call_site: str | None,
+    target: Target,
+    policy: Setting,
+    interpreter: str | None = None,
+) -> str:
+    """The one message builder: what happened, why the target is the CPU, how to change it."""
+    what = _describe(kernel, call_site)
+    if refused:
+        head = (
+            f"pallas_guard: {what} would lower for the CPU without interpret=, where JAX supports "
+            "only interpret mode (policy 'strict')."
+        )
+    else:
+        head = (
+            f"pallas_guard: {what} is lowering for the CPU, so it runs with the "
+            f"{interpreter or 'plain'} interpreter (policy 'warn')."
+        )
+    lines = [head, "Why the target is the CPU: " + "; ".join(target.evidence) + "."]
+    lines.extend(accelerator_evidence())
+    lines.append(f"Policy {policy.value.value!r} came from {policy.source}.")  # type: ignore[union-attr]
+    if refused:
+        lines.append(
+            f"To fix: set {POLICY_ENV}=interpret (or warn) to run it interpreted; or pass "
+            "interpret=True to the kernel yourself; or run where a GPU/TPU backend is available."
+        )
+    else:
+        lines.append(
+            f"To silence: {POLICY_ENV}=interpret; to fail instead: {POLICY_ENV}=strict; or pass interpret= yourself."
+        )
+    return "\n".join(lines)
+
+
+def refusal(*, kernel: KernelInfo, call_site: str | None, target: Target, policy: Setting) -> PallasGuardError:
+    return PallasGuardError(message(refused=True, kernel=kernel, call_site=call_site, target=target, policy=policy))
+
+
+_warned_lock = threading.Lock()
+_warned_sites: set[str] = set()
+
+
+def warn_once(*, kernel: KernelInfo, call_site: str | None, target: Target, policy: Setting, interpreter: str) -> bool:
+    """Emit one ``PallasGuardWarning`` per call site per process, attributed to that user line."""
+    key = call_site or f"{kernel.entry_point}:{kernel.name}:{kernel.defined_at}"
+    with _warned_lock:
+        if key in _warned_sites:
+            return False
+        _warned_sites.add(key)
+    text = message(
+        refused=False,
+        kernel=kernel,
+        call_site=call_site,
+        target=target,
+        policy=policy,
+        interpreter=interpreter,
+    )
+    filename, _, line = (call_site or "").rpartition(":")
+    if filename and line.isdigit():
+        # warn_explicit puts the warning on the user's line even from inside a lowering rule,
+        # where no stacklevel could reach it; -W error::PallasGuardWarning still applies.
+        warnings.warn_explicit(text, PallasGuardWarning, filename, int(line))
+    else:
+        warnings.warn(text, PallasGuardWarning, stacklevel=2)
+    return True
+
+
+def reset_warned_sites() -> None:
+    with _warned_lock:
+        _warned_sites.clear()

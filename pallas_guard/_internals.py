@@ -1,0 +1,183 @@
+"""The one place that locates JAX internals, by feature detection with fallbacks.
+
+Each lookup tries the names JAX has used across the supported versions (see README,
+"Compatibility"). A lookup that finds nothing is recorded in :data:`missing`, so the guard can
+warn once, keep every layer that still works, and diagnostics can say what was missing.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import threading
+import types
+from collections.abc import Callable, Iterable, MutableMapping
+from typing import Any
+
+from ._errors import PallasGuardWarning
+
+missing: dict[str, str] = {}
+"""Internal name -> what the guard cannot do without it. Filled as lookups fail."""
+
+_missing_lock = threading.Lock()
+_warned_missing: set[str] = set()
+
+
+def import_optional(name: str) -> types.ModuleType | None:
+    """Import ``name`` or return None; ImportError covers a missing optional dependency (absl)."""
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
+
+
+def first_attribute(candidates: Iterable[tuple[str, str]]) -> Any | None:
+    """The first ``module.attribute`` of ``candidates`` that exists, else None."""
+    for module_name, attribute in candidates:
+        module = import_optional(module_name)
+        if module is not None and hasattr(module, attribute):
+            return getattr(module, attribute)
+    return None
+
+
+def note_missing(name: str, consequence: str) -> None:
+    """Record a missing internal and warn once per name (never an error: the guard degrades)."""
+    import warnings
+
+    with _missing_lock:
+        missing[name] = consequence
+        if name in _warned_missing:
+            return
+        _warned_missing.add(name)
+    jax_version = getattr(sys.modules.get("jax"), "__version__", "unknown")
+    warnings.warn(
+        f"pallas_guard: JAX internal {name!r} not found in jax {jax_version}; {consequence}.",
+        PallasGuardWarning,
+        stacklevel=2,
+    )
+
+
+# --- primitives ---------------------------------------------------------------------------------
+
+
+def pallas_call_primitive() -> Any | None:
+    return first_attribute(
+        [("jax.experimental.pallas", "pallas_call_p"), ("jax._src.pallas.pallas_call", "pallas_call_p")]
+    )
+
+
+def mpmd_map_primitive() -> Any | None:
+    """``mpmd_map_p`` (jax >= 0.9.1): ``pl.kernel``/``core_map``/``plgpu.kernel`` lower through it."""
+    return first_attribute([("jax._src.pallas.mpmd", "mpmd_map_p")])
+
+
+# --- MLIR lowering registries -------------------------------------------------------------------
+
+
+class LoweringRegistry:
+    """``register_lowering`` and the registries it writes, as found in this jax."""
+
+    def __init__(self, mlir: types.ModuleType) -> None:
+        self.register_lowering: Callable[..., Any] = mlir.register_lowering
+        self.common: MutableMapping[Any, Any] = mlir._lowerings  # noqa: SLF001
+        self.cpu: MutableMapping[Any, Any] = mlir._platform_specific_lowerings["cpu"]  # noqa: SLF001
+
+    def common_rule(self, primitive: Any) -> Callable[..., Any] | None:
+        return unwrap_rule(self.common.get(primitive))
+
+
+def lowering_registry() -> LoweringRegistry | None:
+    for name in ("jax.interpreters.mlir", "jax._src.interpreters.mlir"):
+        mlir = import_optional(name)
+        if mlir is None:
+            continue
+        try:
+            return LoweringRegistry(mlir)
+        except (AttributeError, KeyError, TypeError):
+            continue
+    return None
+
+
+def unwrap_rule(entry: Any) -> Callable[..., Any] | None:
+    """The rule inside a registry entry: a ``LoweringRuleEntry`` from jax 0.7, a bare function before."""
+    if entry is None:
+        return None
+    rule = getattr(entry, "rule", entry)
+    return rule if callable(rule) else None
+
+
+# --- configuration and backends, all read without initialising a backend ------------------------
+
+
+def jax_config_value(name: str) -> Any:
+    """A ``jax.config`` value as seen in this thread/context (scopes included); None if absent."""
+    config = import_optional("jax._src.config")
+    holder = getattr(config, name.removeprefix("jax_"), None) if config is not None else None
+    if holder is not None and hasattr(holder, "value"):
+        return holder.value
+    jax = sys.modules.get("jax")
+    return getattr(getattr(jax, "config", None), name, None)
+
+
+def interpret_mode_config() -> Any | None:
+    """JAX's trace-time interpret switch (``pltpu.force_tpu_interpret_mode``), jax >= 0.7.0."""
+    config = import_optional("jax._src.config")
+    return getattr(config, "pallas_tpu_interpret_mode_context_manager", None)
+
+
+def forced_interpret_value() -> Any:
+    holder = interpret_mode_config()
+    return None if holder is None else holder.value
+
+
+def backends_initialized() -> bool:
+    xla_bridge = sys.modules.get("jax._src.xla_bridge")
+    if xla_bridge is None:
+        return False
+    check = getattr(xla_bridge, "backends_are_initialized", None)
+    if check is not None:
+        return bool(check())
+    return bool(getattr(xla_bridge, "_backends", None))
+
+
+def default_backend() -> str | None:
+    """``jax.default_backend()``, but only when calling it cannot initialise a backend."""
+    if not backends_initialized():
+        return None
+    jax = sys.modules.get("jax")
+    return None if jax is None else str(jax.default_backend())
+
+
+# --- source locations ---------------------------------------------------------------------------
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def exclude_guard_frames_from_jax_tracebacks() -> None:
+    """Make JAX treat pallas_guard's frames as internal, in its user-frame search and tracebacks."""
+    source_info = import_optional("jax._src.source_info_util")
+    register = getattr(source_info, "register_exclusion", None)
+    if register is not None:
+        register(_PACKAGE_DIR)
+
+
+def lowering_call_site(ctx: Any) -> str | None:
+    """``file:line`` of the user's call of the equation being lowered, from its traceback.
+
+    The rule context carries it on the inline path; on the cached path JAX leaves it None but
+    sets the equation's traceback as the current source-info context.
+    """
+    source_info = import_optional("jax._src.source_info_util")
+    if source_info is None:
+        return None
+    traceback = getattr(ctx, "traceback", None)
+    if traceback is None and hasattr(source_info, "current"):
+        traceback = getattr(source_info.current(), "traceback", None)
+    find = getattr(source_info, "user_frame", None)
+    if traceback is None or find is None:
+        return None
+    frame = find(traceback)
+    if frame is None:
+        return None
+    return f"{frame.file_name}:{frame.start_line}"

@@ -1,0 +1,53 @@
+"""Process state shared by the layers: whether the guard is active, and what the guard injected."""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any
+
+_active = False
+_lock = threading.Lock()
+# Interpreter objects the front door passed on a kernel's behalf, so the net does not record twice.
+_injected: weakref.WeakSet[Any] = weakref.WeakSet()
+_injected_ids: set[int] = set()
+
+
+def active() -> bool:
+    return _active
+
+
+def set_active(value: bool) -> None:
+    global _active  # noqa: PLW0603 - the one switch the wrappers and rules read
+    _active = value
+
+
+def mark_injected(value: Any) -> None:
+    with _lock:
+        try:
+            _injected.add(value)
+        except TypeError:
+            _injected_ids.add(id(value))
+
+
+def is_injected(value: Any) -> bool:
+    if not value or value is True:
+        return False
+    try:
+        return value in _injected
+    except TypeError:
+        return id(value) in _injected_ids
+
+
+def interpreter_name(value: Any) -> str | None:
+    """A short name for an ``interpret=`` value, for records."""
+    if not value:
+        return None
+    if value is True:
+        return "plain"
+    module = type(value).__module__
+    if "mosaic_gpu" in module:
+        return "gpu"
+    if "mosaic" in module:
+        return "tpu"
+    return type(value).__name__
