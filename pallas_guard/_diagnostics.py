@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 from ._errors import PallasGuardError, PallasGuardWarning
-from ._policy import POLICY_ENV, Setting
+from ._policy import POLICY_ENV, Policy, Setting
 from ._target import Target, accelerator_evidence
 
 
@@ -101,7 +101,7 @@ def message(
     kernel: KernelInfo,
     call_site: str | None,
     target: Target,
-    policy: Setting,
+    policy: Setting[Policy],
     interpreter: str | None = None,
 ) -> str:
     """The one message builder: what happened, why the target is the CPU, how to change it."""
@@ -118,7 +118,7 @@ def message(
         )
     lines = [head, "Why the target is the CPU: " + "; ".join(target.evidence) + "."]
     lines.extend(accelerator_evidence())
-    lines.append(f"Policy {policy.value.value!r} came from {policy.source}.")  # type: ignore[union-attr]
+    lines.append(f"Policy {policy.value.value!r} came from {policy.source}.")
     if refused:
         lines.append(
             f"To fix: set {POLICY_ENV}=interpret (or warn) to run it interpreted; or pass "
@@ -131,7 +131,7 @@ def message(
     return "\n".join(lines)
 
 
-def refusal(*, kernel: KernelInfo, call_site: str | None, target: Target, policy: Setting) -> PallasGuardError:
+def refusal(*, kernel: KernelInfo, call_site: str | None, target: Target, policy: Setting[Policy]) -> PallasGuardError:
     return PallasGuardError(message(refused=True, kernel=kernel, call_site=call_site, target=target, policy=policy))
 
 
@@ -139,7 +139,9 @@ _warned_lock = threading.Lock()
 _warned_sites: set[str] = set()
 
 
-def warn_once(*, kernel: KernelInfo, call_site: str | None, target: Target, policy: Setting, interpreter: str) -> bool:
+def warn_once(
+    *, kernel: KernelInfo, call_site: str | None, target: Target, policy: Setting[Policy], interpreter: str
+) -> bool:
     """Emit one ``PallasGuardWarning`` per call site per process, attributed to that user line."""
     key = call_site or f"{kernel.entry_point}:{kernel.name}:{kernel.defined_at}"
     with _warned_lock:

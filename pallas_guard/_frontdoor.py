@@ -42,7 +42,7 @@ def make_wrapper(entry_point: str) -> Callable[..., Any]:
             return wrapped(*args, **kwargs)
         target = _target.detect()
         verdict = _decide.decide(
-            policy=policy.value,  # type: ignore[arg-type]
+            policy=policy.value,
             platform=target.platform,
             interpret=interpret,
             forced_by_jax=_internals.forced_interpret_value(),
@@ -59,7 +59,7 @@ def make_wrapper(entry_point: str) -> Callable[..., Any]:
                     called_at=call_site,
                     platforms=(target.platform or "?",),
                     policy=policy.value,
-                    action="refused",  # type: ignore[arg-type]
+                    action="refused",
                     interpreter=None,
                     reason=verdict.reason,
                     layer="front door",
@@ -83,7 +83,7 @@ def make_wrapper(entry_point: str) -> Callable[..., Any]:
                         called_at=call_site,
                         platforms=(target.platform or "?",),
                         policy=policy.value,
-                        action="interpreted",  # type: ignore[arg-type]
+                        action="interpreted",
                         interpreter=choice.name,
                         reason=f"{verdict.reason}; {choice.reason}",
                         layer="front door",

@@ -51,7 +51,7 @@ def _params(kind: str, **overrides: Any) -> Any | None:
     return cls(**overrides)
 
 
-def choose(setting: Setting, kwargs: Mapping[str, Any]) -> Choice:
+def choose(setting: Setting[Interpreter], kwargs: Mapping[str, Any]) -> Choice:
     """The interpreter for one kernel call: the user's forced one, else by the kernel's facts."""
     del kwargs  # per-kernel facts: see the real-kernels work
     forced = setting.value

@@ -29,7 +29,7 @@ def make_cpu_rule(entry_point: str, delegate: LoweringRule) -> LoweringRule:
         if not _state.active():
             return delegate(ctx, *in_nodes, **params)
         policy = _policy.current_policy()
-        verdict = _decide.decide(policy=policy.value, platform="cpu", interpret=interpret)  # type: ignore[arg-type]
+        verdict = _decide.decide(policy=policy.value, platform="cpu", interpret=interpret)
         if verdict.action is _decide.Action.UNTOUCHED and _state.is_injected(interpret):
             # The front door chose this interpreter and already recorded it.
             return delegate(ctx, *in_nodes, **params)
@@ -46,7 +46,7 @@ def make_cpu_rule(entry_point: str, delegate: LoweringRule) -> LoweringRule:
                     called_at=call_site,
                     platforms=("cpu",),
                     policy=policy.value,
-                    action=action,  # type: ignore[arg-type]
+                    action=action,
                     interpreter=interpreter,
                     reason=verdict.reason,
                     layer="lowering",

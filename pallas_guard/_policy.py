@@ -12,9 +12,11 @@ import contextvars
 import enum
 import os
 from collections.abc import Iterator
-from typing import NamedTuple
+from typing import Generic, NamedTuple, TypeVar
 
 from ._errors import PallasGuardConfigError
+
+T = TypeVar("T")
 
 POLICY_ENV = "PALLAS_GUARD_POLICY"
 """Environment variable that activates the guard and sets its policy."""
@@ -137,10 +139,10 @@ def detect_races_from_env() -> bool:
     return False if raw is None else parse_bool(raw, source=DETECT_RACES_ENV)
 
 
-class Setting(NamedTuple):
+class Setting(NamedTuple, Generic[T]):
     """A resolved value and where it came from (for diagnostics and ``doctor``)."""
 
-    value: Policy | Interpreter | bool
+    value: T
     source: str
 
 
@@ -148,16 +150,18 @@ class _ProcessSettings:
     """The process-wide values; a scope (``policy()``) overrides them per context."""
 
     def __init__(self) -> None:
-        self.policy = Setting(DEFAULT_POLICY, "default")
-        self.interpreter = Setting(DEFAULT_INTERPRETER, "default")
-        self.detect_races = Setting(False, "default")
+        self.policy: Setting[Policy] = Setting(DEFAULT_POLICY, "default")
+        self.interpreter: Setting[Interpreter] = Setting(DEFAULT_INTERPRETER, "default")
+        self.detect_races: Setting[bool] = Setting(False, "default")
 
 
 _process = _ProcessSettings()
 
 # One ContextVar per setting: a scope sets only what it names, so nested scopes compose.
-_scoped_policy: contextvars.ContextVar[Setting | None] = contextvars.ContextVar("pallas_guard_policy", default=None)
-_scoped_interpreter: contextvars.ContextVar[Setting | None] = contextvars.ContextVar(
+_scoped_policy: contextvars.ContextVar[Setting[Policy] | None] = contextvars.ContextVar(
+    "pallas_guard_policy", default=None
+)
+_scoped_interpreter: contextvars.ContextVar[Setting[Interpreter] | None] = contextvars.ContextVar(
     "pallas_guard_interpreter", default=None
 )
 
@@ -182,12 +186,12 @@ def set_process_interpreter(interpreter: Interpreter, source: str) -> None:
     _process.interpreter = Setting(interpreter, source)
 
 
-def current_policy() -> Setting:
+def current_policy() -> Setting[Policy]:
     scoped = _scoped_policy.get()
     return scoped if scoped is not None else _process.policy
 
 
-def current_interpreter() -> Setting:
+def current_interpreter() -> Setting[Interpreter]:
     scoped = _scoped_interpreter.get()
     return scoped if scoped is not None else _process.interpreter
 
