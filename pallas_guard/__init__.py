@@ -11,7 +11,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from . import _policy
+from . import _autoload, _policy
 from ._errors import PallasGuardConfigError, PallasGuardError, PallasGuardWarning
 from ._install import install, uninstall
 from ._policy import Interpreter, Policy
@@ -86,4 +86,6 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'pallas_guard' has no attribute {name!r}")
 
 
-install()
+# From the environment; at interpreter start-up (.pth, sitecustomize) a bad value prints one line
+# instead of raising: see _autoload.
+_autoload.install_at_import()

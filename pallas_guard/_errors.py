@@ -16,3 +16,9 @@ class PallasGuardWarning(UserWarning):
 
 class PallasGuardConfigError(ValueError):
     """A setting (environment variable or API argument) has a value pallas_guard does not accept."""
+
+
+# Shown as `pallas_guard.PallasGuardError` in tracebacks, the name users import and filter by.
+for _public in (PallasGuardError, PallasGuardWarning, PallasGuardConfigError):
+    _public.__module__ = "pallas_guard"
+del _public

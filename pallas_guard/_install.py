@@ -36,6 +36,16 @@ class _Patch:
 
 _patches: list[_Patch] = []
 _rules: list[Any] = []
+# Lowering net -> why it is not installed. The front door reads it: where the net is missing it
+# refuses with a diagnostic instead of deferring to a net that is not there.
+_net_gaps: dict[str, str] = {}
+_routes_via_mpmd = False
+
+
+def lowering_net_gap(entry_point: str) -> str | None:
+    """Why no CPU lowering net catches kernels built by ``entry_point``; None when one does."""
+    net = "mpmd_map" if entry_point != "pallas_call" and _routes_via_mpmd else "pallas_call"
+    return _net_gaps.get(net)
 
 
 def _is_ours(value: object) -> bool:
@@ -68,25 +78,31 @@ def _wrap_entry_point(module: ModuleType, attribute: str, entry_point: str) -> N
 
 
 def _install_lowering_net() -> None:
+    global _routes_via_mpmd  # noqa: PLW0603
     from . import _internals, _lowering
 
-    if _rules:
+    if _rules or _net_gaps:
         return
     _internals.exclude_guard_frames_from_jax_tracebacks()
+    _routes_via_mpmd = _internals.has_mpmd_module()
+    nets = {"pallas_call": ("pallas_call", "pallas_call_p", _internals.pallas_call_primitive())}
+    if _routes_via_mpmd:
+        nets["mpmd_map"] = ("pl.kernel/core_map (mpmd_map)", "mpmd_map_p", _internals.mpmd_map_primitive())
     registry = _internals.lowering_registry()
     if registry is None:
         _internals.note_missing("jax.interpreters.mlir registries", "the CPU lowering net is not installed")
-        return
-    primitives = [("pallas_call", _internals.pallas_call_primitive())]
-    mpmd = _internals.mpmd_map_primitive()
-    if mpmd is not None:
-        primitives.append(("pl.kernel/core_map (mpmd_map)", mpmd))
-    if primitives[0][1] is None:
-        _internals.note_missing("pallas_call_p", "the CPU lowering net for pallas_call is not installed")
-        primitives.pop(0)
-    for entry_point, primitive in primitives:
-        installed = _lowering.install_rule(registry, primitive, entry_point)
-        if installed is not None:
+    for net, (entry_point, name, primitive) in nets.items():
+        if registry is not None and primitive is None:
+            _internals.note_missing(name, f"the CPU lowering net for {entry_point} is not installed")
+        installed = None
+        if registry is not None and primitive is not None:
+            installed = _lowering.install_rule(registry, primitive, entry_point)
+        if installed is None:
+            _net_gaps[net] = (
+                f"the CPU lowering net for {entry_point} is not installed (JAX internals not found in "
+                f"jax {_internals.jax_version()}: {', '.join(sorted(_internals.missing))})"
+            )
+        else:
             _rules.append(installed)
 
 
@@ -97,6 +113,10 @@ def _on_import(module: ModuleType) -> None:
         if not _requested or _failure is not None:
             return
         try:
+            if module.__name__ == PALLAS_MODULE:
+                from ._internals import check_tested_range
+
+                check_tested_range()
             for attribute, entry_point in _ENTRY_POINTS.get(module.__name__, ()):
                 _wrap_entry_point(module, attribute, entry_point)
             _install_lowering_net()
@@ -114,6 +134,7 @@ def _undo_locked() -> None:
         _patches.pop().restore()
     while _rules:
         _rules.pop().remove()
+    _net_gaps.clear()
 
 
 def install(
@@ -160,4 +181,5 @@ def status() -> dict[str, Any]:
             "failure": _failure,
             "patched": [f"{p.owner.__name__}.{p.attribute}" for p in _patches],
             "lowering_rules": [str(r.primitive) for r in _rules],
+            "lowering_net_gaps": dict(_net_gaps),
         }

@@ -8,6 +8,7 @@ warn once, keep every layer that still works, and diagnostics can say what was m
 from __future__ import annotations
 
 import importlib
+import itertools
 import os
 import sys
 import threading
@@ -41,21 +42,54 @@ def first_attribute(candidates: Iterable[tuple[str, str]]) -> Any | None:
     return None
 
 
-def note_missing(name: str, consequence: str) -> None:
-    """Record a missing internal and warn once per name (never an error: the guard degrades)."""
+def jax_version() -> str:
+    return str(getattr(sys.modules.get("jax"), "__version__", "unknown"))
+
+
+def _warn_once(key: str, text: str) -> None:
     import warnings
 
     with _missing_lock:
-        missing[name] = consequence
-        if name in _warned_missing:
+        if key in _warned_missing:
             return
-        _warned_missing.add(name)
-    jax_version = getattr(sys.modules.get("jax"), "__version__", "unknown")
-    warnings.warn(
-        f"pallas_guard: JAX internal {name!r} not found in jax {jax_version}; {consequence}.",
-        PallasGuardWarning,
-        stacklevel=2,
-    )
+        _warned_missing.add(key)
+    warnings.warn(text, PallasGuardWarning, stacklevel=3)
+
+
+def note_missing(name: str, consequence: str) -> None:
+    """Record a missing internal and warn once per name (never an error: the guard degrades)."""
+    with _missing_lock:
+        missing[name] = consequence
+    _warn_once(name, f"pallas_guard: JAX internal {name!r} not found in jax {jax_version()}; {consequence}.")
+
+
+TESTED_BELOW = (0, 13)
+"""The first jax release past the range CI proves (pyproject's upper bound ``jax<0.13``)."""
+
+
+def _release(version: str) -> tuple[int, ...]:
+    parts = []
+    for part in version.split("."):
+        digits = "".join(itertools.takewhile(str.isdigit, part))
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts)
+
+
+def check_tested_range() -> None:
+    """Warn once on a jax past the tested range. Informational only: what the guard does there is
+    decided by feature detection, and a missing internal is reported by :func:`note_missing`."""
+    version = jax_version()
+    release = _release(version)
+    if release and release >= TESTED_BELOW:
+        tested = ".".join(map(str, TESTED_BELOW))
+        _warn_once(
+            f"jax {version}",
+            f"pallas_guard: jax {version} is newer than the range pallas_guard was tested with "
+            f"(jax < {tested}); it keeps every layer whose JAX internals it finds, warns about any it "
+            "does not, and refuses with a diagnostic where it cannot run a kernel interpreted.",
+        )
 
 
 # --- primitives ---------------------------------------------------------------------------------
@@ -70,6 +104,11 @@ def pallas_call_primitive() -> Any | None:
 def mpmd_map_primitive() -> Any | None:
     """``mpmd_map_p`` (jax >= 0.9.1): ``pl.kernel``/``core_map``/``plgpu.kernel`` lower through it."""
     return first_attribute([("jax._src.pallas.mpmd", "mpmd_map_p")])
+
+
+def has_mpmd_module() -> bool:
+    """True where ``pl.kernel`` & co. lower through ``jax._src.pallas.mpmd`` (jax >= 0.9.1)."""
+    return import_optional("jax._src.pallas.mpmd") is not None
 
 
 # --- MLIR lowering registries -------------------------------------------------------------------
@@ -154,12 +193,21 @@ def default_backend() -> str | None:
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
+_frames_excluded = False
+
+
 def exclude_guard_frames_from_jax_tracebacks() -> None:
     """Make JAX treat pallas_guard's frames as internal, in its user-frame search and tracebacks."""
+    global _frames_excluded  # noqa: PLW0603
+    # Once per process: each call appends to JAX's list again and clears its is_user_filename
+    # cache, which every traced operation consults; install()/uninstall() cycles would pay that.
+    if _frames_excluded:
+        return
     source_info = import_optional("jax._src.source_info_util")
     register = getattr(source_info, "register_exclusion", None)
     if register is not None:
         register(_PACKAGE_DIR)
+        _frames_excluded = True
 
 
 def lowering_call_site(ctx: Any) -> str | None:

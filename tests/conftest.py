@@ -48,6 +48,8 @@ def _reset_settings() -> None:
 def _leave_jax_as_found() -> Iterator[None]:
     yield
     pallas_guard.uninstall()
+    # The policy applies when a function is traced; a cached executable would hide the next test's.
+    jax.clear_caches()
     _reset_settings()
     _record.clear()
     _diagnostics.reset_warned_sites()
@@ -89,14 +91,19 @@ def xs() -> jax.Array:
 
 
 def run_python(
-    code: str, *, env: dict[str, str] | None = None, cwd: Path | None = None, timeout: float = 240
+    code: str,
+    *,
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+    timeout: float = 240,
+    interpreter_args: tuple[str, ...] = (),
 ) -> subprocess.CompletedProcess[str]:
     """Run ``code`` in a fresh interpreter with this checkout importable; env entries of None unset."""
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("PALLAS_GUARD_")}
     full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), full_env.get("PYTHONPATH")]))
     full_env.update(env or {})
     return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
+        [sys.executable, *interpreter_args, "-c", textwrap.dedent(code)],
         env=full_env,
         cwd=cwd,
         capture_output=True,
