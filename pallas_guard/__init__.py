@@ -8,15 +8,19 @@ is imported, before or after this module.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
 
 from . import _autoload, _policy
 from ._errors import PallasGuardConfigError, PallasGuardError, PallasGuardWarning
 from ._install import install, uninstall
 from ._policy import Interpreter, Policy
 
+# Not `from typing import ...`: typing (and the re it imports) is ~40% of the cost of importing
+# pallas_guard at interpreter start-up; annotations are strings here, only the checker needs it.
+TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from collections.abc import Iterator
+    from typing import Any
+
     from ._record import Decision
 
 __all__ = (

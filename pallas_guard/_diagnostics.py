@@ -12,8 +12,9 @@ import warnings
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
+from . import _interpreters
 from ._errors import PallasGuardError, PallasGuardWarning
-from ._policy import POLICY_ENV, Policy, Setting
+from ._policy import DETECT_RACES_ENV, INTERPRETER_ENV, POLICY_ENV, Policy, Setting
 from ._target import Target, accelerator_evidence
 
 
@@ -103,9 +104,34 @@ def message(
     target: Target,
     policy: Setting[Policy],
     interpreter: str | None = None,
+    failure: str | None = None,
+    race: bool = False,
+    why_interpreter: str | None = None,
 ) -> str:
-    """The one message builder: what happened, why the target is the CPU, how to change it."""
+    """The one message builder: what happened, why the target is the CPU, how to change it.
+
+    Variants: refused (strict), interpreted (warn), ``failure`` (the chosen interpreter cannot run
+    the kernel on the CPU, and why) and ``race`` (TPU interpret mode's race detector fired).
+    """
     what = _describe(kernel, call_site)
+    tried = _interpreters.describe_interpreter(interpreter or "plain")
+    if race:
+        head = (
+            f"pallas_guard: a data race was detected in {what}, run in {tried} with race detection "
+            f"({DETECT_RACES_ENV}=1); the detector's RACE DETECTED report above names the buffers."
+        )
+        return "\n".join([head, f"To run without race detection: unset {DETECT_RACES_ENV}."])
+    if failure is not None:
+        chosen = f" (chosen because: {why_interpreter})" if why_interpreter else ""
+        lines = [
+            f"pallas_guard: {what} cannot run on the CPU: the guard tried {tried}{chosen}, and {failure}.",
+            "Why the target is the CPU: " + "; ".join(target.evidence) + ".",
+            *accelerator_evidence(),
+            f"To fix: run it where a GPU/TPU backend is available; or force another interpreter with "
+            f"{INTERPRETER_ENV}=plain|tpu|gpu (auto chooses per kernel); or set {POLICY_ENV}=strict "
+            "to fail before tracing.",
+        ]
+        return "\n".join(lines)
     if refused:
         head = (
             f"pallas_guard: {what} would lower for the CPU without interpret=, where JAX supports "
@@ -133,6 +159,73 @@ def message(
 
 def refusal(*, kernel: KernelInfo, call_site: str | None, target: Target, policy: Setting[Policy]) -> PallasGuardError:
     return PallasGuardError(message(refused=True, kernel=kernel, call_site=call_site, target=target, policy=policy))
+
+
+def interpreter_failure(
+    error: BaseException,
+    *,
+    kernel: KernelInfo,
+    call_site: str | None,
+    target: Target,
+    policy: Setting[Policy],
+    interpreter: str,
+    family: str | None,
+    why: str | None = None,
+) -> PallasGuardError | None:
+    """A ``PallasGuardError`` explaining ``error`` when the CPU or the interpreter caused it, else None
+    (then the caller re-raises ``error`` untouched: the kernel's own bugs are not hidden)."""
+    failure = _interpreters.explain_failure(error, interpreter=interpreter, family=family)
+    if failure is None:
+        return None
+    text = message(
+        refused=False,
+        kernel=kernel,
+        call_site=call_site,
+        target=target,
+        policy=policy,
+        interpreter=interpreter,
+        failure=failure,
+        why_interpreter=why,
+    )
+    return PallasGuardError(f"{text}\nOriginal error: {type(error).__name__}: {error}")
+
+
+def race_error(*, kernel: KernelInfo, call_site: str | None) -> PallasGuardError:
+    text = message(
+        refused=False,
+        kernel=kernel,
+        call_site=call_site,
+        target=Target("cpu", ()),
+        policy=Setting(Policy.INTERPRET, "race detection"),
+        interpreter="tpu",
+        race=True,
+    )
+    return PallasGuardError(text)
+
+
+def check_races(out: Any, *, kernel: KernelInfo, call_site: str | None) -> None:
+    """Raise ``PallasGuardError`` naming ``kernel`` if TPU interpret mode found a race running it.
+
+    Run eagerly, the kernel has finished when this returns and the error is raised here; traced
+    (under jit), a callback that depends on the kernel's output checks after it ran, and its error
+    surfaces from the jitted call, wrapped by JAX's runtime error.
+    """
+    import jax
+
+    from . import _internals
+
+    def raise_if_race(*_: Any) -> None:
+        if _internals.races_found():
+            raise race_error(kernel=kernel, call_site=call_site)
+
+    leaves = jax.tree_util.tree_leaves(out)
+    if not leaves:
+        return
+    if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
+        jax.debug.callback(raise_if_race, leaves[0])
+        return
+    jax.block_until_ready(out)  # type: ignore[no-untyped-call]
+    raise_if_race()
 
 
 _warned_lock = threading.Lock()

@@ -9,10 +9,12 @@ target: an AOT lowering or export for cuda/tpu from this process stays byte-iden
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 from . import _decide, _diagnostics, _internals, _interpreters, _policy, _record, _state, _target
+from ._errors import PallasGuardError
 
 # The parameter that holds the kernel body, per entry point.
 _BODY_PARAMETER = {"pallas_call": "kernel", "pl.kernel": "body", "plgpu.kernel": "body", "pl.core_map": None}
@@ -25,6 +27,106 @@ def _kernel_info(entry_point: str, args: tuple[Any, ...], kwargs: dict[str, Any]
         name = kwargs.get("name") or f"<{entry_point} body>"
         return _diagnostics.KernelInfo(str(name), None, entry_point)
     return _diagnostics.kernel_from_callable(body, entry_point=entry_point, name=kwargs.get("name"))
+
+
+def _strict_fallback(
+    entry_point: str, verdict: _decide.Verdict, kwargs: dict[str, Any]
+) -> tuple[_decide.Verdict, _target.Target, _policy.Setting[_policy.Policy]] | None:
+    """Where the lowering net is missing, what would be left to it is refused here instead.
+
+    Deferring to a net that is not there would be the guard silently doing nothing. An unknown
+    target is taken to be the CPU only when no accelerator plugin is installed (so JAX can only
+    use the CPU); otherwise the kernel is left to JAX, which may well run it on its accelerator.
+    """
+    from ._install import lowering_net_gap
+
+    gap = lowering_net_gap(entry_point)
+    if gap is None:
+        return None
+    if verdict.action is _decide.Action.DEFER:
+        if _target.installed_accelerator_plugins():
+            return None
+        target = _target.Target("cpu", ("the target is not configured and no accelerator plugin is installed",))
+    elif verdict.action is _decide.Action.INTERPRET:
+        if _interpreters.choose(_policy.current_interpreter(), kwargs).value is not None:
+            return None  # the TPU/GPU interpreter is chosen at trace time: no net needed
+        target = _target.detect()
+    else:
+        return None
+    policy = _policy.current_policy()
+    reason = f"falls back to strict: {gap}"
+    strict = _policy.Setting(
+        _policy.Policy.STRICT,
+        f"pallas_guard's fallback: {gap}, and policy {policy.value.value!r} (from {policy.source}) needs it; "
+        "pass interpret=True yourself, or use a jax version pallas_guard supports",
+    )
+    return _decide.Verdict(_decide.Action.REFUSE, False, reason), target, strict
+
+
+def _body(entry_point: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    parameter = _BODY_PARAMETER.get(entry_point)
+    if not parameter:
+        return None
+    return args[0] if args else kwargs.get(parameter)
+
+
+def _kernel_facts(entry_point: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _interpreters.KernelFacts:
+    mesh = args[0] if entry_point == "pl.core_map" and args else None
+    return _interpreters.kernel_facts(entry_point, _body(entry_point, args, kwargs), kwargs, mesh=mesh)
+
+
+class _Guarded:
+    """What the front door knows about one interpreted kernel, to explain its failures and races."""
+
+    def __init__(
+        self,
+        *,
+        entry_point: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        choice: _interpreters.Choice,
+        facts: _interpreters.KernelFacts,
+        target: _target.Target,
+        policy: _policy.Setting[_policy.Policy],
+    ) -> None:
+        self.kernel = _kernel_info(entry_point, args, kwargs)
+        self.call_site = _diagnostics.user_call_site()
+        self.choice, self.facts, self.target, self.policy = choice, facts, target, policy
+
+    def run(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Call ``function``; a failure the guard can attribute to the CPU becomes PallasGuardError."""
+        try:
+            return function(*args, **kwargs)
+        except PallasGuardError:
+            raise
+        except Exception as error:
+            failure = _diagnostics.interpreter_failure(
+                error,
+                kernel=self.kernel,
+                call_site=self.call_site,
+                target=self.target,
+                policy=self.policy,
+                interpreter=self.choice.name,
+                family=self.facts.family,
+                why=self.choice.reason,
+            )
+            if failure is None:
+                raise
+            raise failure from error
+
+    def wrap_kernel(self, kernel_callable: Any) -> Any:
+        """The callable an entry point returned, with failures explained and races checked."""
+        if not callable(kernel_callable):
+            return kernel_callable
+
+        @functools.wraps(kernel_callable)
+        def pallas_guard_kernel(*args: Any, **kwargs: Any) -> Any:
+            out = self.run(kernel_callable, *args, **kwargs)
+            if self.choice.detect_races:
+                _diagnostics.check_races(out, kernel=self.kernel, call_site=self.call_site)
+            return out
+
+        return pallas_guard_kernel
 
 
 def make_wrapper(entry_point: str) -> Callable[..., Any]:
@@ -47,6 +149,10 @@ def make_wrapper(entry_point: str) -> Callable[..., Any]:
             interpret=interpret,
             forced_by_jax=_internals.forced_interpret_value(),
         )
+        shown_policy = policy
+        fallback = _strict_fallback(entry_point, verdict, kwargs)
+        if fallback is not None:
+            verdict, target, shown_policy = fallback
         if verdict.action is _decide.Action.REFUSE:
             if _target.inside_export():
                 return wrapped(*args, **kwargs)  # the export's platforms decide, at lowering
@@ -66,12 +172,26 @@ def make_wrapper(entry_point: str) -> Callable[..., Any]:
                     entry_point=entry_point,
                 )
             )
-            raise _diagnostics.refusal(kernel=kernel, call_site=call_site, target=target, policy=policy)
+            raise _diagnostics.refusal(kernel=kernel, call_site=call_site, target=target, policy=shown_policy)
         if verdict.action is _decide.Action.INTERPRET:
-            choice = _interpreters.choose(_policy.current_interpreter(), kwargs)
+            facts = _kernel_facts(entry_point, args, kwargs)
+            choice = _interpreters.choose(
+                _policy.current_interpreter(),
+                facts,
+                detect_races=_policy.detect_races(),
+                inside_lowering=_internals.inside_lowering(),
+            )
+            guarded = _Guarded(
+                entry_point=entry_point,
+                args=args,
+                kwargs=kwargs,
+                choice=choice,
+                facts=facts,
+                target=target,
+                policy=policy,
+            )
             if choice.value is not None and not _target.inside_export():
-                kernel = _kernel_info(entry_point, args, kwargs)
-                call_site = _diagnostics.user_call_site()
+                kernel, call_site = guarded.kernel, guarded.call_site
                 warned = verdict.warn and _diagnostics.warn_once(
                     kernel=kernel, call_site=call_site, target=target, policy=policy, interpreter=choice.name
                 )
@@ -92,6 +212,12 @@ def make_wrapper(entry_point: str) -> Callable[..., Any]:
                     )
                 )
                 kwargs = {**kwargs, "interpret": choice.value}
+            result = guarded.run(wrapped, *args, **kwargs)
+            # The kernel callable (tracing the body, eager runs); decorator forms are left alone.
+            body_given = entry_point != "pl.core_map" and callable(_body(entry_point, args, kwargs))
+            if entry_point == "pallas_call" or body_given:
+                return guarded.wrap_kernel(result)
+            return result
         return wrapped(*args, **kwargs)
 
     pallas_guard_front_door.__qualname__ = f"pallas_guard_front_door[{entry_point}]"

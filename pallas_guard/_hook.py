@@ -7,13 +7,17 @@ must stay cheap. This finder is a few dozen lines and imports nothing.
 
 from __future__ import annotations
 
+import _thread
 import sys
-import threading
-from collections.abc import Callable, Sequence
-from types import ModuleType
-from typing import Any
 
-Callback = Callable[[ModuleType], None]
+# Only the type checker needs these (see pallas_guard/__init__.py): this module loads at start-up.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+    from types import ModuleType
+    from typing import Any
+
+    Callback = Callable[[ModuleType], None]
 
 
 class _CallbackLoader:
@@ -45,7 +49,7 @@ class PostImportFinder:
 
     def __init__(self) -> None:
         self._callbacks: dict[str, list[Callback]] = {}
-        self._lock = threading.Lock()
+        self._lock = _thread.allocate_lock()  # threading's Lock; `import threading` costs more
 
     def register(self, name: str, callback: Callback) -> None:
         """Run ``callback(module)`` after ``name`` is imported; at once if it already is."""
@@ -81,7 +85,7 @@ class PostImportFinder:
         """Nothing cached; present because importlib.invalidate_caches() calls it on every finder."""
 
 
-_finder_lock = threading.Lock()
+_finder_lock = _thread.allocate_lock()
 
 
 def finder() -> PostImportFinder:

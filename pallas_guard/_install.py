@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import _thread
 import sys
-import threading
-from types import ModuleType
-from typing import Any
 
 from . import _hook, _policy, _state
+
+# Only the type checker needs these (see pallas_guard/__init__.py): this module loads at start-up.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from types import ModuleType
+    from typing import Any
 
 PALLAS_MODULE = "jax.experimental.pallas"
 MOSAIC_GPU_MODULE = "jax.experimental.pallas.mosaic_gpu"
@@ -18,7 +22,7 @@ _ENTRY_POINTS = {
     MOSAIC_GPU_MODULE: (("kernel", "plgpu.kernel"),),
 }
 
-_lock = threading.RLock()
+_lock = _thread.RLock()  # threading.RLock is this C lock; `import threading` costs more
 _requested = False
 _failure: str | None = None
 

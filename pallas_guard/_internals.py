@@ -229,3 +229,58 @@ def lowering_call_site(ctx: Any) -> str | None:
     if frame is None:
         return None
     return f"{frame.file_name}:{frame.start_line}"
+
+
+# --- kernel facts: which backend a kernel was written for, and interpreter state ----------------
+
+# The modules that define each backend's CompilerParams, meshes, grid specs and scratch types; they
+# have not moved in any supported version, while the class names were renamed (0.6.x).
+BACKEND_MODULES = {
+    "jax._src.pallas.mosaic.core": "mosaic_tpu",
+    "jax._src.pallas.mosaic_gpu.core": "mosaic_gpu",
+    "jax._src.pallas.triton.core": "triton",
+}
+# Keys of a compiler_params Mapping (jax <= 0.9.0.1) and values of the old ``backend=`` argument.
+BACKEND_NAMES = {"mosaic": "mosaic_tpu", "mosaic_tpu": "mosaic_tpu", "mosaic_gpu": "mosaic_gpu", "triton": "triton"}
+
+
+def backend_family(obj: object) -> str | None:
+    """``"mosaic_tpu"``, ``"mosaic_gpu"`` or ``"triton"`` from the module that defines ``obj``'s type."""
+    if isinstance(obj, str):
+        return BACKEND_NAMES.get(obj)
+    return BACKEND_MODULES.get(type(obj).__module__)
+
+
+def tpu_interpret_module() -> types.ModuleType | None:
+    """The module holding TPU interpret mode's global state (``races``), as found in this jax."""
+    for name in (
+        "jax._src.pallas.mosaic.interpret.interpret_pallas_call",  # 0.8.0+
+        "jax._src.pallas.mosaic.interpret",  # 0.6.2 - 0.7.x (a module, not a package)
+    ):
+        module = import_optional(name)
+        if module is not None and hasattr(module, "races"):
+            return module
+    return None
+
+
+def races_found() -> bool | None:
+    """Whether TPU interpret mode's race detector flagged the last kernel; None if unknown."""
+    module = tpu_interpret_module()
+    if module is None:
+        note_missing("TPU interpret mode race state", "races cannot be reported as PallasGuardError")
+        return None
+    return bool(getattr(getattr(module, "races", None), "races_found", False))
+
+
+_LOWERING_MODULES = frozenset({"jax._src.interpreters.mlir"})
+
+
+def inside_lowering() -> bool:
+    """True while JAX lowers (a kernel traced from another primitive's lowering rule, e.g. a PRNG
+    implementation): an interpreter that adds effects at trace time cannot be used there."""
+    frame: types.FrameType | None = sys._getframe(1)  # noqa: SLF001 - inspect.stack() reads source files
+    while frame is not None:
+        if frame.f_globals.get("__name__") in _LOWERING_MODULES:
+            return True
+        frame = frame.f_back
+    return False

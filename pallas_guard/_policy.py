@@ -11,12 +11,9 @@ import contextlib
 import contextvars
 import enum
 import os
-from collections.abc import Iterator
-from typing import Generic, NamedTuple, TypeVar
+from collections import namedtuple
 
 from ._errors import PallasGuardConfigError
-
-T = TypeVar("T")
 
 POLICY_ENV = "PALLAS_GUARD_POLICY"
 """Environment variable that activates the guard and sets its policy."""
@@ -139,11 +136,24 @@ def detect_races_from_env() -> bool:
     return False if raw is None else parse_bool(raw, source=DETECT_RACES_ENV)
 
 
-class Setting(NamedTuple, Generic[T]):
-    """A resolved value and where it came from (for diagnostics and ``doctor``)."""
+# typing (and the re it imports) is ~40% of the cost of importing pallas_guard at interpreter
+# start-up, so the checker sees the generic NamedTuple and the run time a plain namedtuple, which
+# is what typing.NamedTuple builds anyway.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+    from typing import Generic, NamedTuple, TypeVar
 
-    value: T
-    source: str
+    T = TypeVar("T")
+
+    class Setting(NamedTuple, Generic[T]):
+        """A resolved value and where it came from (for diagnostics and ``doctor``)."""
+
+        value: T
+        source: str
+else:
+    Setting = namedtuple("Setting", ("value", "source"))
+    Setting.__doc__ = "A resolved value and where it came from (for diagnostics and ``doctor``)."
 
 
 class _ProcessSettings:

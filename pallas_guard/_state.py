@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
-import threading
+import _thread
 import weakref
-from typing import Any
+
+# Only the type checker needs it (see pallas_guard/__init__.py): this module loads at start-up.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
 _active = False
-_lock = threading.Lock()
+_lock = _thread.allocate_lock()  # threading's Lock; `import threading` costs more
 # Interpreter objects the front door passed on a kernel's behalf, so the net does not record twice.
 _injected: weakref.WeakSet[Any] = weakref.WeakSet()
 _injected_ids: set[int] = set()

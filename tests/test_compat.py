@@ -1,0 +1,202 @@
+"""Compatibility by feature detection: JAX internals made to go missing, and a jax past the range.
+
+Each test removes one internal the way a future jax might (the lookup in ``_internals`` finds
+nothing) and checks the guard warns once naming it, keeps every layer that still works, and
+refuses with a diagnostic where it would otherwise silently do nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import Iterator
+
+import jax
+import numpy as np
+import pytest
+from conftest import ORIGINAL_PALLAS_CALL, REPO_ROOT, add, add_interpreted_by_hand, run_python
+from jax.experimental import pallas as pl
+
+import pallas_guard
+from pallas_guard import PallasGuardError, PallasGuardWarning, _install, _internals, _interpreters
+
+
+@pytest.fixture(autouse=True)
+def _fresh_missing(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Each test starts with no internal reported missing (the real ones are process-wide)."""
+    monkeypatch.setattr(_internals, "missing", {})
+    monkeypatch.setattr(_internals, "_warned_missing", set())
+    yield
+    pallas_guard.uninstall()  # before monkeypatch puts the real lookups back
+
+
+def _install_recording(policy: str = "interpret", **kwargs: str) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pallas_guard.install(policy, **kwargs)  # type: ignore[arg-type]
+    return [str(w.message) for w in caught if issubclass(w.category, PallasGuardWarning)]
+
+
+def test_missing_registries_warn_once_keep_the_front_door_and_refuse(
+    monkeypatch: pytest.MonkeyPatch, xs: jax.Array
+) -> None:
+    monkeypatch.setattr(_internals, "lowering_registry", lambda: None)
+    messages = _install_recording("interpret")
+    assert len(messages) == 1
+    assert "JAX internal 'jax.interpreters.mlir registries' not found in jax" in messages[0]
+    assert jax.__version__ in messages[0]
+    assert _install_recording("interpret") == []  # once per process, not per install
+    assert pl.pallas_call is not ORIGINAL_PALLAS_CALL  # the front door still works ...
+    assert _install.status()["lowering_rules"] == []
+    with pytest.raises(PallasGuardError) as refused:  # ... and refuses instead of deferring to no net
+        add(xs, xs)
+    text = str(refused.value)
+    assert "Policy 'strict' came from pallas_guard's fallback" in text
+    assert "the CPU lowering net for pallas_call is not installed" in text
+    assert "jax.interpreters.mlir registries" in text
+    assert "policy 'interpret' (from install(policy=...))" in text
+    (record,) = pallas_guard.decisions()
+    assert (record.action, record.layer, record.policy) == ("refused", "front door", pallas_guard.Policy.INTERPRET)
+    assert record.reason.startswith("falls back to strict")
+    # What needs no net still works: the user's own interpret=True, and the trace-time TPU interpreter.
+    np.testing.assert_array_equal(add_interpreted_by_hand(xs, xs), xs + xs)
+    with pallas_guard.policy(interpreter="tpu"):
+        np.testing.assert_array_equal(add(xs, xs), xs + xs)
+    assert pallas_guard.decisions()[-1].interpreter == "tpu"
+    # Policy off is off: JAX's own error, as without the guard.
+    with pallas_guard.policy("off"), pytest.raises(ValueError, match="Only interpret mode is supported"):
+        add(xs, xs)
+
+
+def test_missing_pallas_call_primitive(monkeypatch: pytest.MonkeyPatch, xs: jax.Array) -> None:
+    monkeypatch.setattr(_internals, "pallas_call_primitive", lambda: None)
+    messages = _install_recording("warn")
+    assert [m for m in messages if "'pallas_call_p' not found" in m], messages
+    status = _install.status()
+    assert "pallas_call" in status["lowering_net_gaps"]
+    if _internals.has_mpmd_module():  # the other net (pl.kernel, jax >= 0.9.1) is still installed
+        assert len(status["lowering_rules"]) == 1 and "mpmd_map" not in status["lowering_net_gaps"]
+        assert _install.lowering_net_gap("pl.kernel") is None
+    with pytest.raises(PallasGuardError, match="CPU lowering net for pallas_call is not installed"):
+        add(xs, xs)
+
+
+def test_missing_common_rule(monkeypatch: pytest.MonkeyPatch, xs: jax.Array) -> None:
+    primitive = _internals.pallas_call_primitive()
+    real = _internals.LoweringRegistry.common_rule
+
+    def common_rule(self: _internals.LoweringRegistry, p: object) -> object:
+        return None if p is primitive else real(self, p)
+
+    monkeypatch.setattr(_internals.LoweringRegistry, "common_rule", common_rule)
+    messages = _install_recording("interpret")
+    assert [m for m in messages if f"'lowering rule of {primitive}' not found" in m], messages
+    with pytest.raises(PallasGuardError, match="lowering rule of pallas_call"):
+        add(xs, xs)
+
+
+def test_missing_mpmd_primitive_keeps_the_pallas_call_net(monkeypatch: pytest.MonkeyPatch, xs: jax.Array) -> None:
+    if not _internals.has_mpmd_module():
+        pytest.skip("this jax has no mpmd_map (pl.kernel lowers through pallas_call_p before 0.9.1)")
+    monkeypatch.setattr(_internals, "mpmd_map_primitive", lambda: None)
+    messages = _install_recording("interpret")
+    assert [m for m in messages if "'mpmd_map_p' not found" in m], messages
+    assert _install.lowering_net_gap("pl.kernel") is not None
+    assert _install.lowering_net_gap("plgpu.kernel") is not None
+    assert _install.lowering_net_gap("pallas_call") is None
+    np.testing.assert_array_equal(add(xs, xs), xs + xs)  # pallas_call is still interpreted by the net
+    assert pallas_guard.decisions()[-1].layer == "lowering"
+
+
+def test_missing_tpu_interpreter_falls_back_to_plain(monkeypatch: pytest.MonkeyPatch, xs: jax.Array) -> None:
+    monkeypatch.setattr(_interpreters, "tpu_params_class", lambda: None)
+    pallas_guard.install("interpret", interpreter="tpu")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        np.testing.assert_array_equal(add(xs, xs), xs + xs)
+    assert any("'TPU interpret params class' not found" in str(w.message) for w in caught)
+    (record,) = pallas_guard.decisions()
+    assert (record.action, record.interpreter) == ("interpreted", "plain")
+
+
+def test_unknown_target_with_missing_net() -> None:
+    """Before any backend exists the target is unknown: refuse only where JAX can only use the CPU."""
+    result = run_python(
+        """
+import json
+import pallas_guard
+from pallas_guard import _internals, _target
+pallas_guard.uninstall()
+_internals.lowering_registry = lambda: None
+import warnings; warnings.simplefilter("ignore")
+import jax
+from jax.experimental import pallas as pl
+pallas_guard.install("interpret")
+def kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...] + 1
+def f(x):
+    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
+spec = jax.ShapeDtypeStruct((8,), "float32")
+outcomes = []
+for plugins in ((), ("jax-cuda12-plugin 0.0.0",)):
+    _target.installed_accelerator_plugins = lambda plugins=plugins: plugins
+    try:
+        jax.make_jaxpr(f)(spec)
+        outcomes.append("deferred")
+    except pallas_guard.PallasGuardError as error:
+        outcomes.append(str(error).splitlines()[1])
+print(json.dumps({"outcomes": outcomes, "backends": _internals.backends_initialized()}))
+""",
+        env={"JAX_PLATFORMS": ""},
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["outcomes"] == [
+        "Why the target is the CPU: the target is not configured and no accelerator plugin is installed.",
+        "deferred",  # with a plugin, JAX may well run it on its accelerator: left to JAX
+    ]
+    assert report["backends"] is False
+
+
+# --- a jax newer than the tested range ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("version", "warns"),
+    [
+        ("0.13.0", True),
+        ("0.13.0.dev20270101", True),
+        ("1.0", True),
+        ("0.12.0.1", False),
+        ("0.12.9rc1", False),
+        ("0.7.2", False),
+        ("unknown", False),
+    ],
+)
+def test_newer_jax_warns_once_and_keeps_working(
+    monkeypatch: pytest.MonkeyPatch, xs: jax.Array, version: str, warns: bool
+) -> None:
+    monkeypatch.setattr(jax, "__version__", version)
+    messages = _install_recording("interpret")
+    newer = [m for m in messages if "newer than the range" in m]
+    assert len(newer) == int(warns), messages
+    if warns:
+        assert f"jax {version} is newer than the range pallas_guard was tested with (jax < 0.13)" in newer[0]
+        pallas_guard.uninstall()
+        assert _install_recording("interpret") == []  # once per process
+    # Every layer whose internals are found keeps working: nothing is switched off by version.
+    assert pl.pallas_call is not ORIGINAL_PALLAS_CALL
+    np.testing.assert_array_equal(add(xs, xs), xs + xs)
+    assert [d.action for d in pallas_guard.decisions()] == ["interpreted"]
+
+
+def test_behaviour_is_never_gated_on_the_version_string() -> None:
+    """Feature detection, not version checks: ``__version__`` is read in one place, for messages."""
+    readers = [
+        path.name
+        for path in sorted((REPO_ROOT / "pallas_guard").glob("*.py"))
+        if "__version__" in path.read_text() and path.name not in {"_internals.py", "_cli.py"}
+    ]
+    assert readers == []
+    source = (REPO_ROOT / "pallas_guard" / "_internals.py").read_text()
+    assert source.count("__version__") == 1

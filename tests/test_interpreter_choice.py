@@ -1,0 +1,365 @@
+"""The per-kernel interpreter choice, the user's override, race detection and clear failures.
+
+Kernel facts come from real JAX objects (CompilerParams, scratch shapes, kernel bodies); the
+end-to-end tests run real kernels on this CPU under the guard, with no ``interpret=``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import add, run_python
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+import pallas_guard
+from pallas_guard import _interpreters, _policy
+
+AUTO = _policy.Setting(_policy.Interpreter.AUTO, "default")
+
+
+def _setting(name: str) -> _policy.Setting[_policy.Interpreter]:
+    return _policy.Setting(_policy.parse_interpreter(name), "test")
+
+
+def _interpreted(kernel_name: str | None = None) -> list[str | None]:
+    return [
+        d.interpreter
+        for d in pallas_guard.decisions()
+        if d.action == "interpreted" and (kernel_name is None or kernel_name in d.kernel)
+    ]
+
+
+# --- kernels ----------------------------------------------------------------------------------------
+
+
+def copy_kernel(x_ref, o_ref):  # type: ignore[no-untyped-def]
+    o_ref[...] = x_ref[...]
+
+
+def remote_kernel(x_ref, o_ref, send_sem, recv_sem):  # type: ignore[no-untyped-def]
+    # Never traced here: only its code is inspected.
+    pltpu.async_remote_copy(x_ref, o_ref, send_sem, recv_sem, device_id=1).wait()
+
+
+def signalling_kernel(x_ref, o_ref, sem):  # type: ignore[no-untyped-def]
+    pl.semaphore_signal(sem, 1, device_id=0)
+
+
+def dma_kernel(x_ref, o_ref, scratch, sem):  # type: ignore[no-untyped-def]
+    copy = pltpu.make_async_copy(x_ref, scratch, sem.at[0])
+    copy.start()
+    copy.wait()
+    o_ref[...] = scratch[...]
+
+
+def racy_kernel(x_ref, o_ref, scratch, sem):  # type: ignore[no-untyped-def]
+    copy = pltpu.make_async_copy(x_ref, scratch, sem.at[0])
+    copy.start()
+    o_ref[...] = scratch[...]  # reads the buffer the DMA is still writing
+    copy.wait()
+
+
+def _dma_call(kernel: Callable[..., None], x: jax.Array) -> jax.Array:
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+        in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+        scratch_shapes=[pltpu.VMEM(x.shape, x.dtype), pltpu.SemaphoreType.DMA((1,))],
+    )(x)
+
+
+def _triton_params() -> object:
+    from jax.experimental.pallas import triton as pltriton
+
+    return pltriton.CompilerParams(num_warps=4)
+
+
+def _mosaic_gpu() -> object:
+    return pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+
+
+# --- kernel facts -------------------------------------------------------------------------------------
+
+
+def test_generic_kernel_has_no_backend_and_no_cross_device_needs() -> None:
+    facts = _interpreters.kernel_facts("pallas_call", copy_kernel, {})
+    assert facts.family is None
+    assert facts.cross_device is None
+
+
+@pytest.mark.parametrize(
+    ("make_params", "family"),
+    [
+        (pltpu.CompilerParams, "mosaic_tpu"),
+        (_triton_params, "triton"),
+        (lambda: _mosaic_gpu().CompilerParams(), "mosaic_gpu"),  # type: ignore[attr-defined]
+    ],
+    ids=["tpu", "triton", "mosaic_gpu"],
+)
+def test_compiler_params_classified_by_defining_module(make_params: Callable[[], object], family: str) -> None:
+    facts = _interpreters.kernel_facts("pallas_call", copy_kernel, {"compiler_params": make_params()})
+    assert facts.family == family
+    assert "compiler_params" in facts.family_evidence
+
+
+def test_tpu_grid_spec_and_scratch_shapes_mark_a_tpu_kernel() -> None:
+    grid_spec = pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=0, scratch_shapes=[pltpu.SemaphoreType.DMA])
+    assert _interpreters.kernel_facts("pallas_call", copy_kernel, {"grid_spec": grid_spec}).family == "mosaic_tpu"
+    scratch = {"scratch_shapes": [pltpu.VMEM((8, 128), jnp.float32), pltpu.SemaphoreType.DMA((2,))]}
+    facts = _interpreters.kernel_facts("pallas_call", dma_kernel, scratch)
+    assert facts.family == "mosaic_tpu"
+    assert facts.cross_device is None  # local DMAs and DMA semaphores: the plain interpreter runs them
+
+
+def test_plgpu_kernel_is_mosaic_gpu() -> None:
+    assert _interpreters.kernel_facts("plgpu.kernel", copy_kernel, {}).family == "mosaic_gpu"
+
+
+@pytest.mark.parametrize(
+    ("body", "kwargs", "why"),
+    [
+        (copy_kernel, {"compiler_params": pltpu.CompilerParams(collective_id=0)}, "collective_id"),
+        (copy_kernel, {"scratch_shapes": [pltpu.SemaphoreType.BARRIER]}, "BARRIER"),
+        (remote_kernel, {}, "async_remote_copy"),
+        (functools.partial(remote_kernel), {}, "async_remote_copy"),
+        (signalling_kernel, {}, "device_id"),
+    ],
+    ids=["collective_id", "barrier-scratch", "remote-dma", "remote-dma-partial", "device-id-signal"],
+)
+def test_cross_device_facts(body: Callable[..., None], kwargs: dict[str, object], why: str) -> None:
+    facts = _interpreters.kernel_facts("pallas_call", body, kwargs)
+    assert facts.cross_device is not None
+    assert why in facts.cross_device
+
+
+def test_triton_kernel_is_never_cross_device() -> None:
+    facts = _interpreters.kernel_facts("pallas_call", remote_kernel, {"compiler_params": _triton_params()})
+    assert facts.family == "triton"
+    assert facts.cross_device is None
+
+
+# --- choose() -----------------------------------------------------------------------------------------
+
+
+def test_auto_chooses_plain_for_single_device_kernels() -> None:
+    for kwargs in ({}, {"compiler_params": pltpu.CompilerParams()}, {"compiler_params": _triton_params()}):
+        choice = _interpreters.choose(AUTO, _interpreters.kernel_facts("pallas_call", dma_kernel, kwargs))
+        assert choice.name == "plain"
+        assert choice.value is None  # the lowering net substitutes interpret=True
+
+
+def test_auto_chooses_tpu_interpret_mode_with_eager_dmas_for_cross_device_kernels() -> None:
+    facts = _interpreters.kernel_facts("pallas_call", remote_kernel, {})
+    choice = _interpreters.choose(AUTO, facts)
+    assert choice.name == "tpu"
+    assert isinstance(choice.value, _interpreters.tpu_params_class())  # type: ignore[arg-type]
+    assert choice.value.dma_execution_mode == "eager"
+    assert "cross-device" in choice.reason
+
+
+def test_auto_chooses_the_mosaic_gpu_interpreter_for_mosaic_gpu_kernels() -> None:
+    facts = _interpreters.kernel_facts("plgpu.kernel", copy_kernel, {})
+    choice = _interpreters.choose(AUTO, facts)
+    gpu_class = _interpreters.gpu_params_class()
+    if gpu_class is None:  # jax < 0.9.0 has none
+        assert choice.name == "plain"
+        assert "no Mosaic-GPU interpreter" in choice.reason
+    else:
+        assert choice.name == "gpu"
+        assert isinstance(choice.value, gpu_class)
+
+
+@pytest.mark.parametrize("forced", ["plain", "tpu", "gpu"])
+def test_forced_interpreter_wins_over_facts(forced: str) -> None:
+    if forced == "gpu" and _interpreters.gpu_params_class() is None:
+        pytest.skip("this jax has no Mosaic-GPU interpreter")
+    facts = _interpreters.kernel_facts("pallas_call", remote_kernel, {})
+    choice = _interpreters.choose(_setting(forced), facts)
+    assert choice.name == forced
+    assert "forced by test" in choice.reason
+
+
+def test_race_detection_means_tpu_interpret_mode_with_the_detector_on() -> None:
+    choice = _interpreters.choose(AUTO, _interpreters.GENERIC, detect_races=True)
+    assert choice.name == "tpu"
+    assert choice.detect_races
+    assert choice.value.detect_races is True
+    # A Triton kernel cannot run in TPU interpret mode: race detection does not apply to it.
+    triton = _interpreters.kernel_facts("pallas_call", copy_kernel, {"compiler_params": _triton_params()})
+    assert _interpreters.choose(AUTO, triton, detect_races=True).name == "plain"
+
+
+def test_inside_a_lowering_only_plain_is_possible() -> None:
+    facts = _interpreters.kernel_facts("pallas_call", remote_kernel, {})
+    choice = _interpreters.choose(_setting("tpu"), facts, inside_lowering=True)
+    assert choice.name == "plain"
+    assert "lowering" in choice.reason
+
+
+def test_choose_accepts_entry_point_kwargs() -> None:
+    kwargs = {"compiler_params": pltpu.CompilerParams(collective_id=0)}
+    assert _interpreters.choose(AUTO, kwargs).name == "tpu"
+
+
+# --- end to end: real kernels under the guard ------------------------------------------------------
+
+
+def test_auto_runs_a_dma_kernel_with_the_plain_interpreter(guard: Callable[..., None]) -> None:
+    guard("interpret")
+    x = jnp.arange(8 * 128, dtype=jnp.float32).reshape(8, 128)
+    np.testing.assert_array_equal(_dma_call(dma_kernel, x), x)
+    assert _interpreted("dma_kernel") == ["plain"]
+    assert [d.layer for d in pallas_guard.decisions()] == ["lowering"]
+
+
+@pytest.mark.parametrize("how", ["install", "scope"])
+def test_api_override_forces_tpu_interpret_mode(guard: Callable[..., None], how: str, xs: jax.Array) -> None:
+    if how == "install":
+        guard("interpret", interpreter="tpu")
+        out = add(xs, xs)
+    else:
+        guard("interpret")
+        with pallas_guard.policy(interpreter="tpu"):
+            out = add(xs, xs)
+    np.testing.assert_array_equal(out, xs + xs)
+    [decision] = pallas_guard.decisions()
+    assert decision.interpreter == "tpu"
+    assert decision.layer == "front door"
+    assert "forced by" in decision.reason
+
+
+def test_env_override_and_bad_value() -> None:
+    code = """
+        import jax, jax.numpy as jnp
+        from jax.experimental import pallas as pl
+        import pallas_guard
+        def k(x_ref, o_ref):
+            o_ref[...] = x_ref[...] * 2
+        x = jnp.ones((8, 128))
+        out = pl.pallas_call(k, out_shape=x)(x)
+        assert float(out.sum()) == 2 * 8 * 128
+        print([d.interpreter for d in pallas_guard.decisions()])
+    """
+    env = {"JAX_PLATFORMS": "cpu", "PALLAS_GUARD_POLICY": "interpret", "PALLAS_GUARD_INTERPRETER": "TPU"}
+    result = run_python(code, env=env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "['tpu']"
+    bad = run_python("import pallas_guard", env={**env, "PALLAS_GUARD_INTERPRETER": "mosaic"})
+    assert "PALLAS_GUARD_INTERPRETER='mosaic'" in bad.stderr
+    assert "'auto', 'plain', 'tpu', 'gpu'" in bad.stderr
+
+
+def _detect_races(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_policy._process, "detect_races", _policy.Setting(True, _policy.DETECT_RACES_ENV))
+
+
+def test_race_is_reported_as_pallas_guard_error_naming_the_kernel(
+    guard: Callable[..., None], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    guard("interpret")
+    _detect_races(monkeypatch)
+    x = jnp.ones((8, 128), jnp.float32)
+    np.testing.assert_array_equal(_dma_call(dma_kernel, x), x)  # the control: no race, no error
+    with pytest.raises(pallas_guard.PallasGuardError, match=r"data race was detected in Pallas kernel 'racy_kernel'"):
+        _dma_call(racy_kernel, x)
+    assert _interpreted() == ["tpu", "tpu"]
+
+
+def test_race_under_jit_names_the_kernel(guard: Callable[..., None], monkeypatch: pytest.MonkeyPatch) -> None:
+    guard("interpret")
+    _detect_races(monkeypatch)
+    x = jnp.ones((8, 128), jnp.float32)
+    # Under jit the check runs in a callback after the kernel: JAX wraps its error in its own.
+    with pytest.raises(Exception, match=r"PallasGuardError: pallas_guard: a data race was detected in .*racy_kernel"):
+        jax.block_until_ready(jax.jit(functools.partial(_dma_call, racy_kernel))(x))
+
+
+def test_env_switches_race_detection_on() -> None:
+    code = """
+        import jax, jax.numpy as jnp
+        from jax.experimental import pallas as pl
+        import pallas_guard
+        def k(x_ref, o_ref):
+            o_ref[...] = x_ref[...] + 1
+        x = jnp.ones((8, 128))
+        pl.pallas_call(k, out_shape=x)(x)
+        [d] = pallas_guard.decisions()
+        print(d.interpreter, "|", d.reason)
+    """
+    env = {"JAX_PLATFORMS": "cpu", "PALLAS_GUARD_POLICY": "interpret", "PALLAS_GUARD_DETECT_RACES": "1"}
+    result = run_python(code, env=env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1].startswith("tpu | ")
+    assert "race detection (PALLAS_GUARD_DETECT_RACES=1)" in result.stdout
+
+
+# --- clear failures -------------------------------------------------------------------------------------
+
+
+def test_triton_kernel_forced_into_tpu_interpret_mode_fails_clearly(guard: Callable[..., None], xs: jax.Array) -> None:
+    guard("interpret", interpreter="tpu")
+
+    def triton_add(x_ref, o_ref):  # type: ignore[no-untyped-def]
+        o_ref[...] = x_ref[...] + 1
+
+    call = pl.pallas_call(triton_add, out_shape=xs, compiler_params=_triton_params())
+    try:
+        out = call(xs)
+    except pallas_guard.PallasGuardError as error:
+        assert "TPU interpret mode" in str(error)
+        assert "not Triton ones" in str(error)
+        assert "triton_add'" in str(error)
+        assert error.__cause__ is not None  # chained from JAX's own error
+    else:  # a JAX whose TPU interpreter accepts Triton params: then it must be right
+        np.testing.assert_array_equal(out, xs + 1)
+
+
+def test_host_code_asking_the_cpu_for_core_count_fails_clearly(guard: Callable[..., None], xs: jax.Array) -> None:
+    plgpu = _mosaic_gpu()
+    guard("interpret")
+
+    def sm_count_body(x_ref, o_ref):  # type: ignore[no-untyped-def]
+        num_sms = jax.devices()[0].core_count  # what the shipped Mosaic-GPU matmuls do
+        o_ref[...] = x_ref[...] * num_sms
+
+    # out_type from jax 0.10 (out_shape deprecated there), out_shape before.
+    out = "out_type" if "out_type" in inspect.signature(plgpu.kernel).parameters else "out_shape"  # type: ignore[attr-defined]
+    kernel = plgpu.kernel(sm_count_body, **{out: jax.ShapeDtypeStruct(xs.shape, xs.dtype)})  # type: ignore[attr-defined]
+    with pytest.raises(pallas_guard.PallasGuardError, match="core_count") as info:
+        kernel(xs)
+    assert "cannot run on the CPU" in str(info.value)
+    assert isinstance(info.value.__cause__, AttributeError)
+
+
+def test_errors_the_kernel_itself_causes_are_not_hidden(guard: Callable[..., None], xs: jax.Array) -> None:
+    guard("interpret")
+
+    def buggy_kernel(x_ref, o_ref):  # type: ignore[no-untyped-def]
+        o_ref[...] = x_ref[...] @ x_ref[...]  # (2, 8) @ (2, 8): a shape error of the user's
+
+    with pytest.raises(TypeError) as info:
+        pl.pallas_call(buggy_kernel, out_shape=xs)(xs)
+    assert not isinstance(info.value, pallas_guard.PallasGuardError)
+
+
+def test_explain_failure_ignores_unrelated_errors() -> None:
+    assert _interpreters.explain_failure(ValueError("bad shape"), interpreter="plain", family=None) is None
+    assert _interpreters.explain_failure(ValueError("x"), interpreter="tpu", family="mosaic_tpu") is None
+    reason = _interpreters.explain_failure(NotImplementedError("no rule"), interpreter="plain", family="mosaic_gpu")
+    assert reason is not None
+    assert "Mosaic-GPU interpreter" in reason
+
+
+def test_choice_is_a_frozen_record() -> None:
+    choice = _interpreters.choose(AUTO)
+    assert choice == _interpreters.PLAIN
+    with pytest.raises(dataclasses.FrozenInstanceError if dataclasses.is_dataclass(choice) else AttributeError):
+        choice.name = "tpu"  # type: ignore[misc]
