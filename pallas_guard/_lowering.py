@@ -34,7 +34,9 @@ def make_cpu_rule(entry_point: str, delegate: LoweringRule) -> LoweringRule:
             # The front door chose this interpreter and already recorded it.
             return delegate(ctx, *in_nodes, **params)
         kernel = _diagnostics.kernel_from_params(params, entry_point=entry_point)
-        call_site = _internals.lowering_call_site(ctx)
+        # An eager call can leave the equation without user frames; then the Python stack, which
+        # lowers inside the user's call, names the line that ran it.
+        call_site = _internals.lowering_call_site(ctx) or _diagnostics.user_call_site()
         module_platforms = _lowering_platforms(ctx)
         target = _target.lowering_target(module_platforms)
 

@@ -87,6 +87,17 @@ def test_warn_warns_once_per_call_site_at_the_users_line(guard: Any, xs: jax.Arr
     assert [r.warned for r in pallas_guard.decisions()] == [True, False]
 
 
+def test_eager_call_is_attributed_to_the_users_line(guard: Any, xs: jax.Array) -> None:
+    """Eager dispatch can leave the equation without user frames; the call site still is the user's."""
+    guard("warn")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        double(xs)
+    (warning,) = guard_warnings(caught)
+    assert (warning.filename, warning.lineno) == (__file__, line_of("CALL-SITE-DOUBLE"))
+    assert pallas_guard.decisions()[0].called_at == f"{__file__}:{line_of('CALL-SITE-DOUBLE')}"
+
+
 def test_warn_can_be_turned_into_an_error(guard: Any, xs: jax.Array) -> None:
     guard("warn")
     with warnings.catch_warnings():
