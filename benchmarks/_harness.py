@@ -135,13 +135,14 @@ def clean_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     fresh interpreter would otherwise compile each module it imports from source, and that
     compile time, not the import, would dominate the startup rows. The cache goes to a prefix
     in the temp directory, so nothing is written into site-packages or the checkout.
-    The checkout goes first on ``PYTHONPATH`` in every variant alike, so the benchmark measures
-    this pallas_guard even where it is not installed.
+    The checkout (where it holds the package) goes first on ``PYTHONPATH`` in every variant
+    alike, so the benchmark measures this pallas_guard, installed or not.
     """
     env = {k: v for k, v in os.environ.items() if not k.startswith("PALLAS_GUARD_")}
     env.pop("PYTHONDONTWRITEBYTECODE", None)
     env.setdefault("PYTHONPYCACHEPREFIX", str(PYCACHE_PREFIX))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    if (REPO_ROOT / "pallas_guard" / "__init__.py").is_file():
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     env.update(extra or {})
     return env
 

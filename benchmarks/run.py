@@ -27,8 +27,9 @@ from typing import Any
 BENCH_DIR = Path(__file__).resolve().parent
 if str(BENCH_DIR) not in sys.path:
     sys.path.insert(0, str(BENCH_DIR))
-if str(BENCH_DIR.parent) not in sys.path:
-    sys.path.append(str(BENCH_DIR.parent))  # this checkout's pallas_guard, where not installed
+if (BENCH_DIR.parent / "pallas_guard" / "__init__.py").is_file():
+    # This checkout's pallas_guard, here as in every child interpreter (_harness.clean_env).
+    sys.path.insert(1, str(BENCH_DIR.parent))
 
 import _harness  # noqa: E402
 from _harness import Row  # noqa: E402

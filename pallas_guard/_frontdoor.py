@@ -30,7 +30,7 @@ def _kernel_info(entry_point: str, args: tuple[Any, ...], kwargs: dict[str, Any]
 
 
 def _strict_fallback(
-    entry_point: str, verdict: _decide.Verdict, kwargs: dict[str, Any]
+    entry_point: str, verdict: _decide.Verdict, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[_decide.Verdict, _target.Target, _policy.Setting[_policy.Policy]] | None:
     """Where the lowering net is missing, what would be left to it is refused here instead.
 
@@ -48,7 +48,13 @@ def _strict_fallback(
             return None
         target = _target.Target("cpu", ("the target is not configured and no accelerator plugin is installed",))
     elif verdict.action is _decide.Action.INTERPRET:
-        if _interpreters.choose(_policy.current_interpreter(), kwargs).value is not None:
+        choice = _interpreters.choose(
+            _policy.current_interpreter(),
+            _kernel_facts(entry_point, args, kwargs),
+            detect_races=_policy.detect_races(),
+            inside_lowering=_internals.inside_lowering(),
+        )
+        if choice.value is not None:
             return None  # the TPU/GPU interpreter is chosen at trace time: no net needed
         target = _target.detect()
     else:
@@ -150,7 +156,7 @@ def make_wrapper(entry_point: str) -> Callable[..., Any]:
             forced_by_jax=_internals.forced_interpret_value(),
         )
         shown_policy = policy
-        fallback = _strict_fallback(entry_point, verdict, kwargs)
+        fallback = _strict_fallback(entry_point, verdict, args, kwargs)
         if fallback is not None:
             verdict, target, shown_policy = fallback
         if verdict.action is _decide.Action.REFUSE:

@@ -246,7 +246,7 @@ BACKEND_NAMES = {"mosaic": "mosaic_tpu", "mosaic_tpu": "mosaic_tpu", "mosaic_gpu
 
 def backend_family(obj: object) -> str | None:
     """``"mosaic_tpu"``, ``"mosaic_gpu"`` or ``"triton"`` from the module that defines ``obj``'s type."""
-    if isinstance(obj, str):
+    if type(obj) is str:  # not a str-valued Enum such as SemaphoreType
         return BACKEND_NAMES.get(obj)
     return BACKEND_MODULES.get(type(obj).__module__)
 

@@ -139,7 +139,12 @@ def kernel_facts(entry_point: str, body: object, kwargs: Mapping[str, Any], mesh
     scratch = [kwargs.get("scratch_shapes"), kwargs.get("scratch_types"), getattr(grid_spec, "scratch_shapes", None)]
     candidates: list[tuple[str, object]] = [("compiler_params", p) for p in params_objects if p is not None]
     candidates += [("mesh", mesh or kwargs.get("mesh")), ("grid_spec", grid_spec), ("backend", kwargs.get("backend"))]
-    candidates += [("scratch shapes", leaf) for leaf in _leaves(scratch)]
+    # A scratch shape's own type may be generic (pallas core); its memory space or dtype is not.
+    candidates += [
+        ("scratch shapes", part)
+        for leaf in _leaves(scratch)
+        for part in (leaf, getattr(leaf, "memory_space", None), getattr(leaf, "dtype", None))
+    ]
     for label, obj in candidates:
         if family is not None:
             break

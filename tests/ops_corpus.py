@@ -152,7 +152,7 @@ def _mqa_ref(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
 
 def _gqa_inputs() -> tuple[jax.Array, ...]:
     # q [batch, q_heads, d], k/v [batch, seq, kv_heads, d]
-    return (_rand(9, 2, 16, 16), _rand(10, 2, 64, 1, 16), _rand(11, 2, 64, 1, 16))
+    return (_rand(9, 1, 16, 16), _rand(10, 1, 64, 1, 16), _rand(11, 1, 64, 1, 16))
 
 
 def _gqa_ref(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:

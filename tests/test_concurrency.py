@@ -36,7 +36,7 @@ def call(pl, jax, kernel, x):
 
 def _caller(worker: str) -> Callable[..., Any]:
     namespace: dict[str, Any] = {}
-    exec(compile(_CALLER, f"<worker {worker}>", "exec"), namespace)  # noqa: S102 - constant source
+    exec(compile(_CALLER, f"<worker {worker}>", "exec"), namespace)  # a constant source
     return namespace["call"]  # type: ignore[no-any-return]
 
 
@@ -150,8 +150,15 @@ def test_records_from_many_threads_are_all_kept() -> None:
     """The record store alone, hammered: every append survives, in per-thread order."""
     threads, per_thread = 8, 2000
     template = _record.Decision(
-        kernel="k", defined_at=None, called_at=None, platforms=("cpu",), policy=pallas_guard.Policy.WARN,
-        action="interpreted", interpreter="plain", reason="test", layer="lowering",
+        kernel="k",
+        defined_at=None,
+        called_at=None,
+        platforms=("cpu",),
+        policy=pallas_guard.Policy.WARN,
+        action="interpreted",
+        interpreter="plain",
+        reason="test",
+        layer="lowering",
     )
 
     def work(n: int) -> None:

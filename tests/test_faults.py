@@ -7,8 +7,10 @@ in-process against the real jax, with the conftest fixture checking jax is left 
 from __future__ import annotations
 
 import ast
+import contextlib
 import importlib
 import json
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -450,10 +452,8 @@ def _jax_state() -> dict[str, dict[str, Any]]:
 
 
 def test_uninstall_leaves_jax_exactly_as_found(xs: jax.Array) -> None:
-    try:  # every module the guard patches, imported before the snapshot
+    with contextlib.suppress(ImportError):  # every module the guard patches, imported before the snapshot
         importlib.import_module("jax.experimental.pallas.mosaic_gpu")
-    except ImportError:
-        pass
     add_interpreted_by_hand(xs, xs)  # JAX's own lazy registrations happen before the snapshot
     before = _jax_state()
     pallas_guard.install("interpret")
@@ -501,7 +501,7 @@ print(json.dumps({"outcomes": outcomes, "loaded": "evilmod" in sys.modules}))
             "PALLAS_GUARD_POLICY": policy,
             "PALLAS_GUARD_INTERPRETER": "evilmod",
             "PALLAS_GUARD_DETECT_RACES": "evilmod",
-            "PYTHONPATH": str(tmp_path),
+            "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(tmp_path)]),
         }
         result = run_python(code, env=env, cwd=tmp_path)
         assert result.returncode == 0, result.stderr

@@ -15,11 +15,13 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
+import jax.export
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+from jax.interpreters import mlir
 
 import pallas_guard
 from pallas_guard import _internals, _lowering, _state, _target
@@ -87,11 +89,22 @@ def rule_calls(monkeypatch: pytest.MonkeyPatch) -> _CountingState:
 
 def _lower(f: Callable[[jax.Array], jax.Array], platform: str) -> str:
     """The lowered text, or the error, as a string: both must be the same with and without the guard."""
+    jax.clear_caches()  # a cached lowering would not consult the rules at all
     try:
         traced = jax.jit(f).trace(X)
         return str(traced.lower(lowering_platforms=(platform,)).as_text())
     except Exception as error:  # e.g. jaxlib > 0.10.2 compiles Triton at lowering: no GPU here
         return f"ERROR {type(error).__name__}: {error}"
+
+
+# The serialised kernels: Triton IR bytecode, and the Mosaic body (base64 MLIR bytecode).
+_KERNEL_BLOBS = re.compile(r'ir = "(?:[^"\\]|\\.)*"|\\22body\\22: \\22[A-Za-z0-9+/=]+')
+
+
+def _comparable(text: str, unstable: bool) -> str:
+    """jaxlib 0.7's serialised kernels are not byte-stable between two unguarded lowerings of the
+    same function; there those blobs are left out and the rest is compared byte for byte."""
+    return _KERNEL_BLOBS.sub("<kernel>", text) if unstable else text
 
 
 def _install_guard() -> Callable[[], None]:
@@ -107,6 +120,7 @@ def assert_untouched(
     install: Callable[[], Callable[[], None]] = _install_guard,
 ) -> str:
     unguarded = _lower(f, platform)
+    unstable = _lower(f, platform) != unguarded
     undo = install()
     try:
         calls_before = counter.calls
@@ -114,7 +128,10 @@ def assert_untouched(
         assert counter.calls == calls_before, f"the guard's CPU rule ran while lowering for {platform}"
     finally:
         undo()
-    assert guarded == unguarded, f"lowering for {platform} changed under the guard"
+    assert _comparable(guarded, unstable) == _comparable(unguarded, unstable), (
+        f"lowering for {platform} changed under the guard"
+    )
+    assert not unstable or _comparable(unguarded, unstable) != unguarded  # only the kernel blob varied
     if not unguarded.startswith("ERROR"):
         assert custom_call in unguarded
     return unguarded
@@ -147,18 +164,14 @@ def test_accelerator_lowering_is_byte_identical_and_the_guard_is_not_called(
 
 
 @pytest.mark.parametrize("kind", ["triton", "mosaic_tpu"])
-def test_plain_kernels_stay_untouched_with_the_cpu_as_configured_target(
-    kind: str, rule_calls: _CountingState
-) -> None:
+def test_plain_kernels_stay_untouched_with_the_cpu_as_configured_target(kind: str, rule_calls: _CountingState) -> None:
     """Kernels the guard runs with the plain interpreter are not touched at trace time at all."""
     jax.devices("cpu")  # the backend is up: the front door's target is the CPU
     f, platforms, custom_call = KERNELS[kind]
     assert_untouched(f, platforms[0], custom_call, rule_calls)
 
 
-def test_negative_control_a_rule_for_every_platform_is_caught(
-    rule_calls: _CountingState, unknown_target: None
-) -> None:
+def test_negative_control_a_rule_for_every_platform_is_caught(rule_calls: _CountingState, unknown_target: None) -> None:
     """If the guard registered its rule for every platform, the assertion above would fail."""
     f, (platform, *_), custom_call = KERNELS["mosaic_tpu"]
     registry = _internals.lowering_registry()
@@ -166,7 +179,7 @@ def test_negative_control_a_rule_for_every_platform_is_caught(
     primitive = _internals.pallas_call_primitive()
     common = registry.common_rule(primitive)
     assert common is not None
-    platform_rules = jax.interpreters.mlir._platform_specific_lowerings[platform]
+    platform_rules = mlir._platform_specific_lowerings[platform]
     previous = platform_rules.get(primitive)
 
     def everywhere_rule(ctx: Any, *args: Any, **params: Any) -> Any:

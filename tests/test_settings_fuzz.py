@@ -101,7 +101,7 @@ def _scope(policy: Any = None, interpreter: Any = None) -> None:
 
 SURFACES: dict[str, tuple[Callable[[Any], object], str, type[Policy] | type[Interpreter], str]] = {
     "set_policy": (pallas_guard.set_policy, "set_policy(policy)", Policy, "policy"),
-    "install(policy)": (lambda v: pallas_guard.install(v), "install(policy=...)", Policy, "policy"),
+    "install(policy)": (pallas_guard.install, "install(policy=...)", Policy, "policy"),
     "install(interpreter)": (
         lambda v: pallas_guard.install(interpreter=v),
         "install(interpreter=...)",
@@ -148,7 +148,7 @@ BAD_STRINGS = [
     "pallas_guard.Policy.WARN",
     "Policy.STRICT",
     "w a r n",
-    "ＷＡＲＮ",  # fullwidth letters: not case-folded to ASCII
+    "\uff37\uff21\uff32\uff2e",  # WARN in fullwidth letters: not case-folded to ASCII
     "warn\u200b",  # a zero-width space is not whitespace
     "auto,plain",
     "tpu:0",
@@ -195,7 +195,9 @@ def test_wrong_types_name_the_argument(clean_env: pytest.MonkeyPatch, surface: s
 
 
 def test_members_of_the_other_enum_are_refused_by_value(clean_env: pytest.MonkeyPatch) -> None:
-    with pytest.raises(PallasGuardConfigError, match=r"install\(interpreter=\.\.\.\)=<Policy.WARN: 'warn'> is not a valid"):
+    with pytest.raises(
+        PallasGuardConfigError, match=r"install\(interpreter=\.\.\.\)=<Policy.WARN: 'warn'> is not a valid"
+    ):
         pallas_guard.install(interpreter=Policy.WARN)  # a str subclass, so its value is checked
     pallas_guard.install(Policy.STRICT, interpreter=Interpreter.PLAIN)
     assert pallas_guard.get_policy() is Policy.STRICT
@@ -208,6 +210,10 @@ def test_detect_races_is_a_strict_boolean(value: str) -> None:
         parsed = _policy.parse_bool(value, source=_policy.DETECT_RACES_ENV)
     except PallasGuardConfigError as error:
         assert str(error).startswith(f"{_policy.DETECT_RACES_ENV}={value!r} is not a valid boolean; accepted values")
-        assert value.strip().lower() not in {"1", "true", "yes", "on", "y", "t", "", "0", "false", "no", "off", "n", "f"}
+        assert value.strip().lower() not in TRUE_WORDS | FALSE_WORDS
     else:
-        assert parsed is (value.strip().lower() in {"1", "true", "yes", "on", "y", "t"})
+        assert parsed is (value.strip().lower() in TRUE_WORDS)
+
+
+TRUE_WORDS = {"1", "true", "yes", "on", "y", "t"}
+FALSE_WORDS = {"", "0", "false", "no", "off", "n", "f"}
