@@ -73,18 +73,26 @@ def _compile(case: Any, mode: str) -> tuple[Callable[[], Any] | None, str]:
     return (lambda: jax.block_until_ready(compiled(*inputs))), ""
 
 
-def _timed(function: Callable[[], Any]) -> Callable[[], Sample]:
+def _timed(function: Callable[[], Any], repeats: int = 1) -> Callable[[], Sample]:
     def run() -> Sample:
         with Stopwatch() as watch:
-            function()
-        return watch.sample
+            for _ in range(repeats):
+                function()
+        return Sample(watch.sample.wall / repeats, watch.sample.cpu / repeats)
 
     return run
 
 
+def _repeats(function: Callable[[], Any], at_least: float = 0.05) -> int:
+    """Calls per sample so that one sample lasts ``at_least`` seconds: sub-ms kernels are noise otherwise."""
+    one = max(_timed(function)().wall, 1e-6)
+    return max(1, min(1000, int(at_least / one) + 1))
+
+
 def _median_seconds(function: Callable[[], Any], repeats: int) -> float:
     function()  # the second call
-    samples = [_timed(function)().cpu for _ in range(repeats)]
+    timed = _timed(function, _repeats(function))
+    samples = [timed().cpu for _ in range(repeats)]
     return statistics.median(samples)
 
 
@@ -107,6 +115,7 @@ def rows(*, quick: bool = False, pairs: int | None = None) -> list[Row]:
                 Row(name, None, TARGET, note=f"needs {case.devices} CPU devices: python benchmarks/kernels.py")
             )
             continue
+        pallas_guard.clear_decisions()
         guard, why = _compile(case, "guard")
         chosen = {d.interpreter for d in pallas_guard.decisions() if d.action == "interpreted"}
         pallas_guard.clear_decisions()
@@ -120,7 +129,8 @@ def rows(*, quick: bool = False, pairs: int | None = None) -> list[Row]:
             continue
         seconds = {mode: _median_seconds(fn, 3 if quick else 5) for mode, fn in passing.items()}
         best = min(seconds, key=seconds.__getitem__)
-        comparison = interleave(_timed(guard), _timed(passing[best]), pairs=pairs)
+        repeats = _repeats(guard)
+        comparison = interleave(_timed(guard, repeats), _timed(passing[best], repeats), pairs=pairs)
         times = ", ".join(
             f"{mode} {seconds[mode] * 1e3:.1f} ms" if mode in seconds else f"{mode} fails ({forced[mode][1]})"
             for mode in FORCED
