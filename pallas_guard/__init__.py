@@ -7,20 +7,17 @@ is imported, before or after this module.
 
 from __future__ import annotations
 
-import contextlib
-
 from . import _autoload, _policy
 from ._errors import PallasGuardConfigError, PallasGuardError, PallasGuardWarning
 from ._install import install, uninstall
-from ._policy import Interpreter, Policy
 
 # Not `from typing import ...`: typing (and the re it imports) is ~40% of the cost of importing
 # pallas_guard at interpreter start-up; annotations are strings here, only the checker needs it.
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from collections.abc import Iterator
     from typing import Any
 
+    from ._enums import Interpreter, Policy
     from ._record import Decision
 
 __all__ = (
@@ -42,9 +39,7 @@ __all__ = (
 
 def get_policy() -> Policy:
     """The policy in effect here: the innermost ``policy()`` scope, else the process policy."""
-    value = _policy.current_policy().value
-    assert isinstance(value, Policy)
-    return value
+    return _policy.current_policy().value
 
 
 def set_policy(policy: Policy | str) -> None:
@@ -52,19 +47,17 @@ def set_policy(policy: Policy | str) -> None:
     _policy.set_process_policy(_policy.parse_policy(policy, source="set_policy(policy)"), "set_policy()")
 
 
-@contextlib.contextmanager
-def policy(policy: Policy | str | None = None, *, interpreter: Interpreter | str | None = None) -> Iterator[None]:
+def policy(policy: Policy | str | None = None, *, interpreter: Interpreter | str | None = None) -> _policy.scoped:
     """Override the policy (and/or interpreter) inside a ``with`` block; thread- and task-local.
 
-    The policy applies when a function is traced: a function jitted before the block keeps its
-    executable (``jax.clear_caches()`` to re-trace).
+    Bad values raise here, before the block. The policy applies when a function is traced: a
+    function jitted before the block keeps its executable (``jax.clear_caches()`` to re-trace).
     """
     parsed_policy = None if policy is None else _policy.parse_policy(policy, source="policy(policy)")
     parsed_interpreter = (
         None if interpreter is None else _policy.parse_interpreter(interpreter, source="policy(interpreter=...)")
     )
-    with _policy.scoped(parsed_policy, parsed_interpreter, "pallas_guard.policy() scope"):
-        yield
+    return _policy.scoped(parsed_policy, parsed_interpreter, "pallas_guard.policy() scope")
 
 
 def decisions() -> list[Decision]:
@@ -82,7 +75,12 @@ def clear_decisions() -> None:
 
 
 def __getattr__(name: str) -> Any:
-    # Decision lives with the records, which import dataclasses: only when first asked for.
+    # Built on first use, not at interpreter start-up: the enums need `enum` (with functools and
+    # collections), the records `dataclasses`.
+    if name in ("Policy", "Interpreter"):
+        from . import _enums
+
+        return getattr(_enums, name)
     if name == "Decision":
         from ._record import Decision
 

@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import _thread
-import weakref
 
-# Only the type checker needs it (see pallas_guard/__init__.py): this module loads at start-up.
+# Only the type checker needs these (see pallas_guard/__init__.py): this module loads at start-up.
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    import weakref
     from typing import Any
 
 _active = False
 _lock = _thread.allocate_lock()  # threading's Lock; `import threading` costs more
 # Interpreter objects the front door passed on a kernel's behalf, so the net does not record twice.
-_injected: weakref.WeakSet[Any] = weakref.WeakSet()
+# Created on first use (after jax.experimental.pallas is imported), keeping weakref off start-up.
+_injected: weakref.WeakSet[Any] | None = None
 _injected_ids: set[int] = set()
 
 
@@ -27,7 +28,12 @@ def set_active(value: bool) -> None:
 
 
 def mark_injected(value: Any) -> None:
+    global _injected  # noqa: PLW0603
     with _lock:
+        if _injected is None:
+            import weakref
+
+            _injected = weakref.WeakSet()
         try:
             _injected.add(value)
         except TypeError:
@@ -38,7 +44,7 @@ def is_injected(value: Any) -> bool:
     if not value or value is True:
         return False
     try:
-        return value in _injected
+        return _injected is not None and value in _injected
     except TypeError:
         return id(value) in _injected_ids
 
