@@ -9,7 +9,6 @@ target: an AOT lowering or export for cuda/tpu from this process stays byte-iden
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -121,18 +120,25 @@ class _Guarded:
             raise failure from error
 
     def wrap_kernel(self, kernel_callable: Any) -> Any:
-        """The callable an entry point returned, with failures explained and races checked."""
+        """The callable an entry point returned, with failures explained and races checked.
+
+        A wrapt proxy, not a plain function: what JAX returned keeps its attributes
+        (``.lower``, ``.trace`` of a jitted kernel) and its identity-free behaviour otherwise.
+        """
         if not callable(kernel_callable):
             return kernel_callable
+        import wrapt
 
-        @functools.wraps(kernel_callable)
-        def pallas_guard_kernel(*args: Any, **kwargs: Any) -> Any:
-            out = self.run(kernel_callable, *args, **kwargs)
+        def pallas_guard_kernel(
+            wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+        ) -> Any:
+            del instance
+            out = self.run(wrapped, *args, **kwargs)
             if self.choice.detect_races:
                 _diagnostics.check_races(out, kernel=self.kernel, call_site=self.call_site)
             return out
 
-        return pallas_guard_kernel
+        return wrapt.FunctionWrapper(kernel_callable, pallas_guard_kernel)
 
 
 def make_wrapper(entry_point: str) -> Callable[..., Any]:

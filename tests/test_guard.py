@@ -413,3 +413,14 @@ def test_wrapper_keeps_the_signature(guard: Any) -> None:
     guard("interpret")
     assert inspect.signature(pl.pallas_call) == inspect.signature(ORIGINAL_PALLAS_CALL)
     assert pl.pallas_call.__wrapped__ is ORIGINAL_PALLAS_CALL
+
+
+def test_the_kernel_callable_keeps_jaxs_attributes(guard: Any, xs: jax.Array) -> None:
+    """What pl.pallas_call returns under the guard still has the jitted function's .lower/.trace."""
+    unguarded = ORIGINAL_PALLAS_CALL(double_kernel, out_shape=xs)
+    guard("interpret")
+    guarded = pl.pallas_call(double_kernel, out_shape=xs)
+    assert hasattr(unguarded, "lower") == hasattr(guarded, "lower")
+    if hasattr(guarded, "lower"):
+        assert "func.func public @main" in guarded.lower(xs).as_text()
+    np.testing.assert_array_equal(np.asarray(guarded(xs)), np.asarray(xs) * 2)
