@@ -43,6 +43,10 @@ RAGGED_PAGED = (
     "'TypedInt' object has no attribute 'shape') and TPU interpret mode cannot read through its reshaped "
     "refs ('ReshapeTransform' object has no attribute 'indices'); it passes with the plain one on 0.7-0.9"
 )
+GPU_INTERPRETER_EFFECTS = (
+    "jax 0.9's Mosaic-GPU interpreter fails inside this kernel's scan "
+    "(`JaxprInputEffect Read<0> does not have corresponding jaxpr input`); it passes from jax 0.10"
+)
 CUDA_VERSIONS = (
     "its host code queries the CUDA runtime version (`cuda_versions`), which jaxlib has only with a "
     "CUDA plugin; no interpreter gets to run it"
@@ -671,7 +675,9 @@ def _all() -> list[Case]:
             rtol=2e-2,
             atol=2e-1,
             expected="gpu",
-            xfail=no_gpu_interpreter,
+            # A version gate, not a feature test: the failure is a bug inside the interpreter.
+            xfail=no_gpu_interpreter
+            or (GPU_INTERPRETER_EFFECTS if jax.__version_info__ < (0, 10, 0) else None),
         ),
         mgpu(
             name="gpu.transposed_ragged_dot_mgpu",

@@ -101,9 +101,17 @@ def _lower(f: Callable[[jax.Array], jax.Array], platform: str) -> str:
 _KERNEL_BLOBS = re.compile(r'ir = "(?:[^"\\]|\\.)*"|\\22body\\22: \\22[A-Za-z0-9+/=]+')
 
 
+# Per-process counters JAX bakes into Mosaic-GPU kernels (jax 0.11.x): the kernel's dump name
+# (`plus_one_kernel_0`, `_1`, ...) and the hash that covers it. Same length after masking.
+_PROCESS_COUNTERS = re.compile(r"(dump_basename\\00[A-Za-z_]+?_)\d+")
+_KERNEL_HASH = re.compile(r'kernel_hash = "(?:[^"\\]|\\.)*"')
+
+
 def _comparable(text: str, unstable: bool) -> str:
-    """jaxlib 0.7's serialised kernels are not byte-stable between two unguarded lowerings of the
-    same function; there those blobs are left out and the rest is compared byte for byte."""
+    """JAX's per-process kernel counters are masked; jaxlib 0.7's serialised kernels are not
+    byte-stable between two unguarded lowerings of the same function, so there those blobs are
+    left out too, and the rest is compared byte for byte."""
+    text = _KERNEL_HASH.sub('kernel_hash = "<hash>"', _PROCESS_COUNTERS.sub(r"\g<1>#", text))
     return _KERNEL_BLOBS.sub("<kernel>", text) if unstable else text
 
 
@@ -120,7 +128,7 @@ def assert_untouched(
     install: Callable[[], Callable[[], None]] = _install_guard,
 ) -> str:
     unguarded = _lower(f, platform)
-    unstable = _lower(f, platform) != unguarded
+    unstable = _comparable(_lower(f, platform), False) != _comparable(unguarded, False)
     undo = install()
     try:
         calls_before = counter.calls
