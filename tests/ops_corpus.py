@@ -676,8 +676,7 @@ def _all() -> list[Case]:
             atol=2e-1,
             expected="gpu",
             # A version gate, not a feature test: the failure is a bug inside the interpreter.
-            xfail=no_gpu_interpreter
-            or (GPU_INTERPRETER_EFFECTS if jax.__version_info__ < (0, 10, 0) else None),
+            xfail=no_gpu_interpreter or (GPU_INTERPRETER_EFFECTS if jax.__version_info__ < (0, 10, 0) else None),
         ),
         mgpu(
             name="gpu.transposed_ragged_dot_mgpu",
