@@ -170,19 +170,15 @@ def make_wrapper(entry_point: str) -> Callable[..., Any]:
                 return wrapped(*args, **kwargs)  # the export's platforms decide, at lowering
             kernel = _kernel_info(entry_point, args, kwargs)
             call_site = _diagnostics.user_call_site()
-            _record.add(
-                _record.Decision(
-                    kernel=kernel.name,
-                    defined_at=kernel.defined_at,
-                    called_at=call_site,
-                    platforms=(target.platform or "?",),
-                    policy=policy.value,
-                    action="refused",
-                    interpreter=None,
-                    reason=verdict.reason,
-                    layer="front door",
-                    entry_point=entry_point,
-                )
+            _record.note(
+                kernel,
+                called_at=call_site,
+                platforms=(target.platform or "?",),
+                policy=policy.value,
+                action="refused",
+                interpreter=None,
+                reason=verdict.reason,
+                layer="front door",
             )
             raise _diagnostics.refusal(kernel=kernel, call_site=call_site, target=target, policy=shown_policy)
         if verdict.action is _decide.Action.INTERPRET:
@@ -208,20 +204,16 @@ def make_wrapper(entry_point: str) -> Callable[..., Any]:
                     kernel=kernel, call_site=call_site, target=target, policy=policy, interpreter=choice.name
                 )
                 _state.mark_injected(choice.value)
-                _record.add(
-                    _record.Decision(
-                        kernel=kernel.name,
-                        defined_at=kernel.defined_at,
-                        called_at=call_site,
-                        platforms=(target.platform or "?",),
-                        policy=policy.value,
-                        action="interpreted",
-                        interpreter=choice.name,
-                        reason=f"{verdict.reason}; {choice.reason}",
-                        layer="front door",
-                        warned=warned,
-                        entry_point=entry_point,
-                    )
+                _record.note(
+                    kernel,
+                    called_at=call_site,
+                    platforms=(target.platform or "?",),
+                    policy=policy.value,
+                    action="interpreted",
+                    interpreter=choice.name,
+                    reason=f"{verdict.reason}; {choice.reason}",
+                    layer="front door",
+                    warned=warned,
                 )
                 kwargs = {**kwargs, "interpret": choice.value}
             result = guarded.run(wrapped, *args, **kwargs)

@@ -41,20 +41,16 @@ def make_cpu_rule(entry_point: str, delegate: LoweringRule) -> LoweringRule:
         target = _target.lowering_target(module_platforms)
 
         def record(action: str, interpreter: str | None, warned: bool = False) -> None:
-            _record.add(
-                _record.Decision(
-                    kernel=kernel.name,
-                    defined_at=kernel.defined_at,
-                    called_at=call_site,
-                    platforms=("cpu",),
-                    policy=policy.value,
-                    action=action,
-                    interpreter=interpreter,
-                    reason=verdict.reason,
-                    layer="lowering",
-                    warned=warned,
-                    entry_point=entry_point,
-                )
+            _record.note(
+                kernel,
+                called_at=call_site,
+                platforms=("cpu",),
+                policy=policy.value,
+                action=action,
+                interpreter=interpreter,
+                reason=verdict.reason,
+                layer="lowering",
+                warned=warned,
             )
 
         if verdict.action is _decide.Action.REFUSE:

@@ -5,7 +5,11 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from ._policy import Policy
+from ._enums import Policy
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from ._diagnostics import KernelInfo
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +52,36 @@ _records: list[Decision] = []
 def add(decision: Decision) -> None:
     with _lock:
         _records.append(decision)
+
+
+def note(
+    kernel: KernelInfo,
+    *,
+    called_at: str | None,
+    platforms: tuple[str, ...],
+    policy: Policy,
+    action: str,
+    interpreter: str | None,
+    reason: str,
+    layer: str,
+    warned: bool = False,
+) -> None:
+    """Record what a layer did with ``kernel`` (the facts the diagnostics already gathered)."""
+    add(
+        Decision(
+            kernel=kernel.name,
+            defined_at=kernel.defined_at,
+            called_at=called_at,
+            platforms=platforms,
+            policy=policy,
+            action=action,
+            interpreter=interpreter,
+            reason=reason,
+            layer=layer,
+            warned=warned,
+            entry_point=kernel.entry_point,
+        )
+    )
 
 
 def snapshot() -> list[Decision]:
