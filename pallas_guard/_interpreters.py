@@ -193,17 +193,12 @@ def _tpu_overrides(facts: KernelFacts, detect_races: bool) -> dict[str, Any]:
 
 def choose(  # noqa: PLR0911, PLR0912 - one return per rule, in priority order
     setting: Setting[Interpreter],
-    facts: KernelFacts | Mapping[str, Any] = GENERIC,
+    facts: KernelFacts = GENERIC,
     *,
     detect_races: bool = False,
     inside_lowering: bool = False,
 ) -> Choice:
-    """The interpreter for one kernel call: the user's forced one, else by the kernel's facts.
-
-    ``facts`` may also be the entry point's keyword arguments (read as a ``pallas_call``'s).
-    """
-    if not isinstance(facts, KernelFacts):
-        facts = kernel_facts("pallas_call", None, facts)
+    """The interpreter for one kernel call: the user's forced one, else by the kernel's facts."""
     if inside_lowering:
         # Traced from another primitive's lowering rule: TPU/GPU params would need effect tokens
         # that lowering has no place for (KeyError: OrderedIOEffect); the net's plain one works.
