@@ -204,9 +204,9 @@ def test_inside_a_lowering_only_plain_is_possible() -> None:
     assert "lowering" in choice.reason
 
 
-def test_choose_accepts_entry_point_kwargs() -> None:
-    kwargs = {"compiler_params": pltpu.CompilerParams(collective_id=0)}
-    assert _interpreters.choose(AUTO, kwargs).name == "tpu"
+def test_collective_id_alone_selects_tpu_interpret_mode() -> None:
+    facts = _interpreters.kernel_facts("pallas_call", None, {"compiler_params": pltpu.CompilerParams(collective_id=0)})
+    assert _interpreters.choose(AUTO, facts).name == "tpu"
 
 
 # --- end to end: real kernels under the guard ------------------------------------------------------
