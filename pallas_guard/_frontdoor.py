@@ -9,6 +9,7 @@ target: an AOT lowering or export for cuda/tpu from this process stays byte-iden
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -29,7 +30,7 @@ def _kernel_info(entry_point: str, args: tuple[Any, ...], kwargs: dict[str, Any]
 
 
 def _strict_fallback(
-    entry_point: str, verdict: _decide.Verdict, args: tuple[Any, ...], kwargs: dict[str, Any]
+    entry_point: str, verdict: _decide.Verdict, choice: _interpreters.Choice | None
 ) -> tuple[_decide.Verdict, _target.Target, _policy.Setting[_policy.Policy]] | None:
     """Where the lowering net is missing, what would be left to it is refused here instead.
 
@@ -46,16 +47,8 @@ def _strict_fallback(
         if _target.installed_accelerator_plugins():
             return None
         target = _target.Target("cpu", ("the target is not configured and no accelerator plugin is installed",))
-    elif verdict.action is _decide.Action.INTERPRET:
-        choice = _interpreters.choose(
-            _policy.current_interpreter(),
-            _kernel_facts(entry_point, args, kwargs),
-            detect_races=_policy.detect_races(),
-            inside_lowering=_internals.inside_lowering(),
-        )
-        if choice.value is not None:
-            return None  # the TPU/GPU interpreter is chosen at trace time: no net needed
-        target = _target.detect()
+    elif verdict.action is _decide.Action.INTERPRET and choice is not None and choice.value is None:
+        target = _target.detect()  # plain, which only the net could have substituted
     else:
         return None
     policy = _policy.current_policy()
@@ -94,9 +87,18 @@ class _Guarded:
         target: _target.Target,
         policy: _policy.Setting[_policy.Policy],
     ) -> None:
-        self.kernel = _kernel_info(entry_point, args, kwargs)
-        self.call_site = _diagnostics.user_call_site()
+        self._entry_point, self._args, self._kwargs = entry_point, args, kwargs
         self.choice, self.facts, self.target, self.policy = choice, facts, target, policy
+
+    # Only read when something is injected, warned, recorded or explained: the plain-interpreter
+    # path (the common one) does no stack walk for them.
+    @functools.cached_property
+    def kernel(self) -> _diagnostics.KernelInfo:
+        return _kernel_info(self._entry_point, self._args, self._kwargs)
+
+    @functools.cached_property
+    def call_site(self) -> str | None:
+        return _diagnostics.user_call_site()
 
     def run(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Call ``function``; a failure the guard can attribute to the CPU becomes PallasGuardError."""
@@ -161,8 +163,17 @@ def make_wrapper(entry_point: str) -> Callable[..., Any]:
             interpret=interpret,
             forced_by_jax=_internals.forced_interpret_value(),
         )
+        facts = choice = None
+        if verdict.action is _decide.Action.INTERPRET:
+            facts = _kernel_facts(entry_point, args, kwargs)
+            choice = _interpreters.choose(
+                _policy.current_interpreter(),
+                facts,
+                detect_races=_policy.detect_races(),
+                inside_lowering=_internals.inside_lowering(),
+            )
         shown_policy = policy
-        fallback = _strict_fallback(entry_point, verdict, args, kwargs)
+        fallback = _strict_fallback(entry_point, verdict, choice)
         if fallback is not None:
             verdict, target, shown_policy = fallback
         if verdict.action is _decide.Action.REFUSE:
@@ -181,14 +192,7 @@ def make_wrapper(entry_point: str) -> Callable[..., Any]:
                 layer="front door",
             )
             raise _diagnostics.refusal(kernel=kernel, call_site=call_site, target=target, policy=shown_policy)
-        if verdict.action is _decide.Action.INTERPRET:
-            facts = _kernel_facts(entry_point, args, kwargs)
-            choice = _interpreters.choose(
-                _policy.current_interpreter(),
-                facts,
-                detect_races=_policy.detect_races(),
-                inside_lowering=_internals.inside_lowering(),
-            )
+        if verdict.action is _decide.Action.INTERPRET and choice is not None and facts is not None:
             guarded = _Guarded(
                 entry_point=entry_point,
                 args=args,
