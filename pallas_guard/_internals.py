@@ -272,15 +272,20 @@ def races_found() -> bool | None:
     return bool(getattr(getattr(module, "races", None), "races_found", False))
 
 
+def running_in(module_names: frozenset[str]) -> bool:
+    """True while a function of one of ``module_names`` is on this thread's stack."""
+    frame: types.FrameType | None = sys._getframe(2)  # noqa: SLF001 - inspect.stack() reads source files
+    while frame is not None:
+        if frame.f_globals.get("__name__") in module_names:
+            return True
+        frame = frame.f_back
+    return False
+
+
 _LOWERING_MODULES = frozenset({"jax._src.interpreters.mlir"})
 
 
 def inside_lowering() -> bool:
     """True while JAX lowers (a kernel traced from another primitive's lowering rule, e.g. a PRNG
     implementation): an interpreter that adds effects at trace time cannot be used there."""
-    frame: types.FrameType | None = sys._getframe(1)  # noqa: SLF001 - inspect.stack() reads source files
-    while frame is not None:
-        if frame.f_globals.get("__name__") in _LOWERING_MODULES:
-            return True
-        frame = frame.f_back
-    return False
+    return running_in(_LOWERING_MODULES)

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import functools
 import os
-import sys
-import types
 from typing import NamedTuple
 
 from . import _internals
@@ -136,9 +134,4 @@ _EXPORT_MODULES = frozenset({"jax._src.export._export"})
 
 def inside_export() -> bool:
     """True while ``jax.export`` traces: its platforms are chosen later, at lowering."""
-    frame: types.FrameType | None = sys._getframe(1)  # noqa: SLF001 - inspect.stack() reads source files
-    while frame is not None:
-        if frame.f_globals.get("__name__") in _EXPORT_MODULES:
-            return True
-        frame = frame.f_back
-    return False
+    return _internals.running_in(_EXPORT_MODULES)
