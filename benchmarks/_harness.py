@@ -239,32 +239,6 @@ class Row:
             note=note,
         )
 
-    @classmethod
-    def unavailable(cls, name: str, why: str, *, group: str = "") -> Row:
-        return cls(name=name, ratio=None, note=f"not available: {why}", group=group)
-
-    @classmethod
-    def coerce(cls, value: Any, *, group: str = "") -> Row:
-        """A row from another module's object (a Row, a dict, or anything with the same attributes)."""
-        if isinstance(value, cls):
-            if group and not value.group:
-                value.group = group
-            return value
-        fields = {f.name for f in dataclasses.fields(cls)}
-        if isinstance(value, Mapping):
-            data = dict(value)
-        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-            data = dataclasses.asdict(value)
-        else:
-            data = {k: getattr(value, k) for k in fields if hasattr(value, k)}
-        data = {k: v for k, v in data.items() if k in fields}
-        if data.get("spread") is not None:
-            data["spread"] = tuple(data["spread"])
-        data.setdefault("name", repr(value))
-        data.setdefault("ratio", None)
-        data.setdefault("group", group)
-        return cls(**data)
-
     def as_json(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "status": self.status}
 

@@ -15,14 +15,12 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
-import inspect
 import sys
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import Any
 
 BENCH_DIR = Path(__file__).resolve().parent
 if str(BENCH_DIR) not in sys.path:
@@ -42,18 +40,14 @@ GROUPS: dict[str, tuple[str, str]] = {
     "kernels": ("kernels", "4. interpreted kernel speed, guard vs best hand-forced interpreter"),
     "steady": ("steady", "5. steady: jitted fn with a guarded kernel vs interpret=True"),
 }
-# The public function a benchmark module exposes, by the names the helpers may have used.
-_ROW_FUNCTIONS = ("rows", "run", "benchmark", "bench")
 
 
-def _load(module_name: str) -> ModuleType | None:
-    """``benchmarks/<module_name>.py``, loaded by path (``trace`` is also a stdlib name); None if absent."""
+def _load(module_name: str) -> ModuleType:
+    """``benchmarks/<module_name>.py``, loaded by path (``trace`` is also a stdlib name)."""
     path = BENCH_DIR / f"{module_name}.py"
     loaded = sys.modules.get(module_name)
     if loaded is not None and Path(getattr(loaded, "__file__", "") or "").resolve() == path:
         return loaded
-    if not path.exists():
-        return None
     spec = importlib.util.spec_from_file_location(module_name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -62,121 +56,16 @@ def _load(module_name: str) -> ModuleType | None:
     return module
 
 
-def _row_function(module: ModuleType) -> Callable[..., Any] | None:
-    for name in _ROW_FUNCTIONS:
-        function = getattr(module, name, None)
-        if callable(function):
-            return function  # type: ignore[no-any-return]
-    return None
-
-
-def _call(function: Callable[..., Any], quick: bool, pairs: int | None) -> Any:
-    try:
-        parameters = set(inspect.signature(function).parameters)
-    except (TypeError, ValueError):
-        parameters = set()
-    kwargs: dict[str, Any] = {}
-    if "quick" in parameters:
-        kwargs["quick"] = quick
-    if pairs is not None and "pairs" in parameters:
-        kwargs["pairs"] = pairs
-    return function(**kwargs)
-
-
-def _as_rows(result: Any, group: str) -> list[Row]:
-    if result is None:
-        return []
-    if isinstance(result, Row | dict) or not isinstance(result, list | tuple):
-        result = [result]
-    return [Row.coerce(item, group=group) for item in result]
-
-
-# --- row 1 fallback, used until benchmarks/startup.py exists -------------------------------------
-
-_PTH_NAME = "pallas_guard_autoload.pth"
-
-
-def _autoload_pth() -> Path | None:
-    import site
-
-    directories = [*site.getsitepackages(), site.getusersitepackages()]
-    return next((Path(d) / _PTH_NAME for d in directories if (Path(d) / _PTH_NAME).is_file()), None)
-
-
-def startup_fallback_rows(*, quick: bool, pairs: int | None = None) -> list[Row]:
-    """Row 1 without benchmarks/startup.py: fresh ``python -c`` interpreters, interleaved."""
-    pairs = pairs or (40 if quick else 200)
-    plain_env = _harness.clean_env()
-    guard_env = _harness.clean_env({"PALLAS_GUARD_POLICY": "interpret"})
-    pth = _autoload_pth()
-    rows = []
-    if pth is not None:
-        activated = ("-c", "pass")
-        what = f"the .pth autoload ({pth.name})"
-    else:
-        activated = ("-c", "import pallas_guard")  # what the .pth line does once installed
-        what = "import pallas_guard (no .pth autoload installed here)"
-    comparison = _harness.interleave(
-        lambda: _harness.time_python(activated, guard_env),
-        lambda: _harness.time_python(("-c", "pass"), plain_env),
-        pairs=pairs,
-        warmup=3,
-        progress="startup",
-    )
-    rows.append(
-        Row.from_comparison(
-            "1. startup: python -c pass, PALLAS_GUARD_POLICY set vs unset",
-            comparison,
-            target=1.02,
-            group="startup",
-            note=f"activated by {what}",
-        )
-    )
-    comparison = _harness.interleave(
-        lambda: _harness.time_python(("-c", "import pallas_guard"), guard_env),
-        lambda: _harness.time_python(("-c", "pass"), plain_env),
-        pairs=max(1, pairs // 2),
-        warmup=2,
-        progress="import pallas_guard",
-    )
-    rows.append(
-        Row.from_comparison(
-            '1b. python -c "import pallas_guard" vs python -c pass', comparison, target=None, group="startup"
-        )
-    )
-    modules = _harness.imported_modules(activated, guard_env)
-    heavy = sorted({m for m in modules if m.split(".")[0] in {"jax", "jaxlib", "wrapt", "numpy"}})
-    ours = [m for m in modules if m.split(".")[0] == "pallas_guard"]
-    rows.append(
-        Row(
-            name="1c. -X importtime: jax/wrapt imported at startup with the guard active",
-            ratio=None,
-            check=not heavy and bool(ours),
-            group="startup",
-            note=(
-                f"{len(modules)} modules imported, {len(ours)} of them pallas_guard's; "
-                + (f"heavy: {', '.join(heavy)}" if heavy else "none of jax, jaxlib, wrapt, numpy")
-            ),
-        )
-    )
-    return rows
-
-
 # --- the run ------------------------------------------------------------------------------------
 
 
 def run_group(key: str, *, quick: bool, pairs: int | None = None) -> list[Row]:
-    module_name, title = GROUPS[key]
+    module_name, _title = GROUPS[key]
     module = _load(module_name)
-    if module is None:
-        if key == "startup":
-            return startup_fallback_rows(quick=quick, pairs=pairs)
-        return [Row.unavailable(title, f"benchmarks/{module_name}.py does not exist yet", group=key)]
-    function = _row_function(module)
-    if function is None:
-        names = " or ".join(f"{name}(quick=...)" for name in _ROW_FUNCTIONS)
-        return [Row.unavailable(title, f"benchmarks/{module_name}.py has no {names}", group=key)]
-    return _as_rows(_call(function, quick, pairs), key)
+    rows: list[Row] = module.rows(quick=quick, pairs=pairs)  # each row module's one entry point
+    for row in rows:
+        row.group = row.group or key  # --json groups rows by the benchmark that made them
+    return rows
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
