@@ -1,24 +1,21 @@
 """pallas_guard: Pallas kernels written for GPU/TPU behave well where they would lower for the CPU.
 
-``import pallas_guard`` installs the guard with the policy from ``PALLAS_GUARD_POLICY`` (default
-``warn``). It imports neither jax nor wrapt: the patch is applied when ``jax.experimental.pallas``
-is imported, before or after this module.
+``import pallas_guard`` installs the guard with the settings from the ``PALLAS_GUARD_*`` variables
+(policy default ``warn``). It imports neither jax nor wrapt: the patch is applied when
+``jax.experimental.pallas`` is imported, before or after this module.
+
+PYTEST_DONT_REWRITE (nothing to rewrite here; pytest would warn if we were imported before it).
 """
 
 from __future__ import annotations
 
-from . import _autoload, _policy
-from ._errors import PallasGuardConfigError, PallasGuardError, PallasGuardWarning
+from pallas_guard_autoload import PallasGuardConfigError
+
+from . import _errors, _install, _record, _settings
+from ._enums import Interpreter, Policy
+from ._errors import PallasGuardError, PallasGuardWarning
 from ._install import install, uninstall
-
-# Not `from typing import ...`: typing (and the re it imports) is ~40% of the cost of importing
-# pallas_guard at interpreter start-up; annotations are strings here, only the checker needs it.
-TYPE_CHECKING = False
-if TYPE_CHECKING:
-    from typing import Any
-
-    from ._enums import Interpreter, Policy
-    from ._record import Decision
+from ._record import Decision
 
 __all__ = (
     "Decision",
@@ -39,55 +36,44 @@ __all__ = (
 
 def get_policy() -> Policy:
     """The policy in effect here: the innermost ``policy()`` scope, else the process policy."""
-    return _policy.current_policy().value
+    return _settings.current_policy().value
 
 
 def set_policy(policy: Policy | str) -> None:
-    """Set the process-wide policy (a ``policy()`` scope still overrides it inside its block)."""
-    _policy.set_process_policy(_policy.parse_policy(policy, source="set_policy(policy)"), "set_policy()")
+    """Set the process-wide policy (a ``policy()`` scope still overrides it inside its block).
+
+    It stays set: a later bare ``install()`` or ``importlib.reload(pallas_guard)`` keeps it.
+    """
+    source = "set_policy()"
+    _settings.pin("policy", _settings.Setting(_settings.parse("policy", policy, "set_policy(policy)"), source))
 
 
-def policy(policy: Policy | str | None = None, *, interpreter: Interpreter | str | None = None) -> _policy.scoped:
+def policy(
+    policy: Policy | str | None = None, *, interpreter: Interpreter | str | None = None
+) -> _settings.AbstractContextManager[None]:
     """Override the policy (and/or interpreter) inside a ``with`` block; thread- and task-local.
 
     Bad values raise here, before the block. The policy applies when a function is traced: a
     function jitted before the block keeps its executable (``jax.clear_caches()`` to re-trace).
     """
-    parsed_policy = None if policy is None else _policy.parse_policy(policy, source="policy(policy)")
-    parsed_interpreter = (
-        None if interpreter is None else _policy.parse_interpreter(interpreter, source="policy(interpreter=...)")
-    )
-    return _policy.scoped(parsed_policy, parsed_interpreter, "pallas_guard.policy() scope")
+    source = "pallas_guard.policy() scope"
+    overrides = {}
+    for name, value in (("policy", policy), ("interpreter", interpreter)):
+        if value is not None:
+            where = "policy(policy)" if name == "policy" else f"policy({name}=...)"
+            overrides[name] = _settings.Setting(_settings.parse(name, value, where), source)
+    return _settings.scope(overrides)
 
 
 def decisions() -> list[Decision]:
     """What the guard did, oldest first: one :class:`Decision` per kernel it saw lowered or refused."""
-    from . import _record
-
     return _record.snapshot()
 
 
 def clear_decisions() -> None:
     """Forget the recorded decisions."""
-    from . import _record
-
     _record.clear()
 
 
-def __getattr__(name: str) -> Any:
-    # Built on first use, not at interpreter start-up: the enums need `enum` (with functools and
-    # collections), the records `dataclasses`.
-    if name in ("Policy", "Interpreter"):
-        from . import _enums
-
-        return getattr(_enums, name)
-    if name == "Decision":
-        from ._record import Decision
-
-        return Decision
-    raise AttributeError(f"module 'pallas_guard' has no attribute {name!r}")
-
-
-# From the environment; at interpreter start-up (.pth, sitecustomize) a bad value prints one line
-# instead of raising: see _autoload.
-_autoload.install_at_import()
+_errors.apply_startup_warning_options()
+_install.install_at_import()

@@ -7,6 +7,7 @@ in ``run``'s children, through the ``.pth`` autoload, which calls it).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import signal
@@ -17,7 +18,10 @@ import textwrap
 from collections.abc import Sequence
 from typing import Any
 
-from . import _autoload, _install, _policy, _target
+import pallas_guard_autoload
+from pallas_guard_autoload import OPTIONS, POLICY_ENV
+
+from . import _install, _settings, _target
 
 EXIT_OK = 0
 EXIT_PROBLEMS = 1
@@ -26,7 +30,23 @@ EXIT_USAGE = 2
 """Bad arguments or a bad ``PALLAS_GUARD_*`` value given to ``run`` (argparse's code)."""
 
 _PROG = "pallas-guard"
-_ENV_NAMES = (_policy.POLICY_ENV, _policy.INTERPRETER_ENV, _policy.DETECT_RACES_ENV)
+START_FILES = ("pallas_guard_autoload.pth", "pallas_guard_autoload.start")
+"""What the wheel installs at the top of site-packages: the start-up hooks for Python < 3.15 and >= 3.15."""
+
+
+def installed_startup_files() -> list[str]:
+    """The autoload files the running interpreter's ``site`` processes at start-up."""
+    import site
+
+    directories = list(site.getsitepackages()) if hasattr(site, "getsitepackages") else []
+    if site.ENABLE_USER_SITE:
+        directories.append(site.getusersitepackages())
+    return [
+        os.path.join(directory, name)
+        for directory in dict.fromkeys(directories)
+        for name in START_FILES
+        if os.path.isfile(os.path.join(directory, name))
+    ]
 
 
 # --- doctor ---------------------------------------------------------------------------------------
@@ -41,23 +61,19 @@ def _distribution_version(name: str) -> str | None:
         return None
 
 
-def _settings(problems: list[str]) -> dict[str, Any]:
+def _settings_report(problems: list[str]) -> dict[str, Any]:
     """The settings new processes get from the environment, and this process's, with sources."""
-    settings: dict[str, Any] = {"environment": {name: os.environ.get(name) for name in _ENV_NAMES}}
-    for key, reader in (
-        ("policy", _policy.policy_from_env),
-        ("interpreter", _policy.interpreter_from_env),
-        ("detect_races", _policy.detect_races_from_env),
-    ):
+    settings: dict[str, Any] = {"environment": {o.env: os.environ.get(o.env) for o in OPTIONS.values()}}
+    for name, option in OPTIONS.items():
         try:
-            reader()
+            option.from_environment()
+            setting = _settings.current(name)
         except (ValueError, TypeError) as error:
             problems.append(str(error))
-            settings[f"{key}_error"] = str(error)
-    policy, interpreter = _policy.current_policy(), _policy.current_interpreter()
-    settings["policy"] = {"value": policy.value.value, "source": policy.source}
-    settings["interpreter"] = {"value": interpreter.value.value, "source": interpreter.source}
-    settings["detect_races"] = _policy.detect_races()
+            settings[f"{name}_error"] = str(error)
+            continue
+        value = setting.value.value if hasattr(setting.value, "value") else setting.value
+        settings[name] = {"value": value, "source": setting.source}
     return settings
 
 
@@ -85,10 +101,22 @@ def _jax_facts(problems: list[str]) -> dict[str, Any]:
         backends["default_backend"] = str(jax.default_backend())
         backends["devices"] = [f"{device.platform}:{device.id} ({device.device_kind})" for device in devices]
     except Exception as error:
-        backends["error"] = f"{type(error).__name__}: {error}"
+        backends["error"] = _error_text(error)
         problems.append(f"JAX could not initialise a backend: {backends['error']}")
     facts["backends"] = backends
     return facts
+
+
+def _error_text(error: BaseException) -> str:
+    """``Type: message``; for an error without a message (jaxlib's bare asserts), where it was raised."""
+    text = str(error).strip()
+    if text:
+        return f"{type(error).__name__}: {text}"
+    traceback = error.__traceback__
+    while traceback is not None and traceback.tb_next is not None:
+        traceback = traceback.tb_next
+    where = f" at {traceback.tb_frame.f_code.co_filename}:{traceback.tb_lineno}" if traceback is not None else ""
+    return f"{type(error).__name__} without a message, raised{where}"
 
 
 def _verdict(report: dict[str, Any]) -> str:
@@ -101,26 +129,34 @@ def _verdict(report: dict[str, Any]) -> str:
             "A PALLAS_GUARD_* value is invalid: new Python processes run without the guard "
             "(their start-up prints one line saying so) and `import pallas_guard` raises."
         )
-    platform = jax_facts["backends"].get("default_backend") or jax_facts["configured_target"]["platform"]
+    backends = jax_facts["backends"]
+    configured = jax_facts["configured_target"]["platform"]
+    platform = backends.get("default_backend")
     if platform is None:
+        if configured is not None and configured != "cpu":
+            return (
+                f"JAX is configured for {configured} but could not initialise it ({backends.get('error')}): "
+                "Pallas kernels here fail before the guard is involved. Install that platform's plugin, "
+                "or set JAX_PLATFORMS=cpu (or unset it) to run on the CPU."
+            )
         return "JAX could not initialise a backend, so where Pallas kernels lower is unknown."
     if platform != "cpu":
         return f"Pallas kernels here will compile for {platform}: the guard changes nothing."
-    env_policy = settings["environment"][_policy.POLICY_ENV]
-    policy = _policy.parse_policy(env_policy) if env_policy and env_policy.strip() else _policy.DEFAULT_POLICY
+    env_policy = settings["environment"][POLICY_ENV]
+    policy = str(OPTIONS["policy"].from_environment() or OPTIONS["policy"].default)
     interpreter = settings["interpreter"]["value"]
     outcome = {
-        _policy.Policy.INTERPRET: f"run interpreted on cpu (interpreter {interpreter}) under policy interpret",
-        _policy.Policy.WARN: f"run interpreted on cpu (interpreter {interpreter}) under policy warn",
-        _policy.Policy.STRICT: "be refused on cpu with a diagnostic under policy strict",
-        _policy.Policy.OFF: "fail on cpu with JAX's own error under policy off",
+        "interpret": f"run interpreted on cpu (interpreter {interpreter}) under policy interpret",
+        "warn": f"run interpreted on cpu (interpreter {interpreter}) under policy warn",
+        "strict": "be refused on cpu with a diagnostic under policy strict",
+        "off": "fail on cpu with JAX's own error under policy off",
     }[policy]
     if env_policy and report["autoload"]["installed"]:
-        where = f"in every Python process ({_policy.POLICY_ENV} with the autoload)"
+        where = f"in every Python process ({POLICY_ENV} with the autoload)"
     elif env_policy:
         where = "in processes that import pallas_guard (the autoload is not installed)"
     else:
-        where = f"in processes that import pallas_guard; elsewhere JAX's own error ({_policy.POLICY_ENV} is unset)"
+        where = f"in processes that import pallas_guard; elsewhere JAX's own error ({POLICY_ENV} is unset)"
     return f"Pallas kernels here will {outcome} {where}."
 
 
@@ -131,13 +167,13 @@ def collect() -> dict[str, Any]:
     report: dict[str, Any] = {
         "pallas_guard": {"version": _distribution_version("pallas_guard"), "location": package_dir},
         "python": {"version": sys.version.split()[0], "executable": sys.executable},
-        "settings": _settings(problems),
+        "settings": _settings_report(problems),
     }
-    pth_files = _autoload.installed_pth_files()
-    report["autoload"] = {"installed": bool(pth_files), "pth_files": pth_files}
-    if os.environ.get(_policy.POLICY_ENV, "").strip() and not pth_files:
+    start_files = installed_startup_files()
+    report["autoload"] = {"installed": bool(start_files), "files": start_files}
+    if pallas_guard_autoload.guard_wanted() and not start_files:
         problems.append(
-            f"{_policy.POLICY_ENV} is set but the autoload ({_autoload.PTH_NAME}) is not installed for "
+            f"{POLICY_ENV} is set but the autoload ({', '.join(START_FILES)}) is not installed for "
             f"{sys.executable}: only processes that import pallas_guard are guarded."
         )
     report["accelerators"] = {
@@ -150,9 +186,9 @@ def collect() -> dict[str, Any]:
     report["jax_platforms_env"] = os.environ.get("JAX_PLATFORMS")
     report["jax"] = _jax_facts(problems)
     status = _install.status()
-    report["guard_in_this_process"] = status
-    if status["failure"]:
-        problems.append(f"The guard disabled itself after an internal error: {status['failure']}")
+    report["guard_in_this_process"] = dataclasses.asdict(status)
+    if status.failure:
+        problems.append(f"The guard disabled itself after an internal error: {status.failure}")
     report["verdict"] = _verdict(report)
     report["problems"] = problems
     report["exit_code"] = EXIT_PROBLEMS if problems else EXIT_OK
@@ -191,15 +227,14 @@ def render(report: dict[str, Any]) -> str:
     settings = report["settings"]
     environment = ", ".join(f"{name}={value!r}" for name, value in settings["environment"].items() if value is not None)
     rows.append(("environment", environment or "no PALLAS_GUARD_* variable set"))
-    rows.append(("policy", _setting_line(settings, "policy")))
-    rows.append(("interpreter", _setting_line(settings, "interpreter")))
+    rows.extend((name.replace("_", " "), _setting_line(settings, name)) for name in OPTIONS)
     autoload = report["autoload"]
     rows.append(
         (
             "autoload",
-            f"installed: {', '.join(autoload['pth_files'])} (active when {_policy.POLICY_ENV} is set)"
+            f"installed: {', '.join(autoload['files'])} (active when {POLICY_ENV} is set)"
             if autoload["installed"]
-            else f"not installed ({_autoload.PTH_NAME} is not in this Python's site-packages)",
+            else f"not installed ({', '.join(START_FILES)} not in this Python's site-packages)",
         )
     )
     width = max(len(name) for name, _ in rows)
@@ -230,15 +265,13 @@ def guarded_environment(
     it is what makes the ``.pth`` autoload activate the guard. Raises on a bad value.
     """
     env = dict(os.environ if base is None else base)
+    pallas_guard_autoload.read_environment(env)  # validate every variable before handing it to every child
     if policy is not None:
-        parsed_policy = _policy.parse_policy(policy, source="--policy")
+        env[POLICY_ENV] = OPTIONS["policy"].parse(policy, "--policy")
     else:
-        parsed_policy = _policy.policy_from_env() or _policy.DEFAULT_POLICY
-    env[_policy.POLICY_ENV] = parsed_policy.value
+        env[POLICY_ENV] = str(OPTIONS["policy"].from_environment(env) or OPTIONS["policy"].default)
     if interpreter is not None:
-        env[_policy.INTERPRETER_ENV] = _policy.parse_interpreter(interpreter, source="--interpreter").value
-    else:
-        _policy.interpreter_from_env()  # validate before handing it to every child
+        env[OPTIONS["interpreter"].env] = OPTIONS["interpreter"].parse(interpreter, "--interpreter")
     return env
 
 
@@ -266,9 +299,9 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         env = guarded_environment(args.policy, args.interpreter)
     except (ValueError, TypeError) as error:
         parser.error(str(error))
-    if not _autoload.installed_pth_files():
+    if not installed_startup_files():
         sys.stderr.write(
-            f"pallas-guard run: the autoload ({_autoload.PTH_NAME}) is not installed for {sys.executable}; "
+            f"pallas-guard run: the autoload ({', '.join(START_FILES)}) is not installed for {sys.executable}; "
             "Python processes started by the command are guarded only if they import pallas_guard.\n"
         )
     sys.stdout.flush()
@@ -314,10 +347,10 @@ DEMO_POLICIES = ("interpret", "warn", "strict", "off")
 
 def _demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
-        policies = [_policy.parse_policy(p, source="--policy").value for p in (args.policy or DEMO_POLICIES)]
+        policies = [OPTIONS["policy"].parse(p, "--policy") for p in (args.policy or DEMO_POLICIES)]
     except (ValueError, TypeError) as error:
         parser.error(str(error))
-    autoload = bool(_autoload.installed_pth_files())
+    autoload = bool(installed_startup_files())
     package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with tempfile.TemporaryDirectory(prefix="pallas-guard-demo-") as directory:
         script = os.path.join(directory, "gpu_kernel.py")
@@ -336,7 +369,7 @@ def _demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         children = []
         for policy in policies:
             env = {k: v for k, v in os.environ.items() if not k.startswith("PALLAS_GUARD_")}
-            env[_policy.POLICY_ENV] = policy
+            env[POLICY_ENV] = policy
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_parent, env.get("PYTHONPATH")]))
             env["PYTHONWARNINGS"] = "default"
             child = subprocess.Popen(
@@ -346,7 +379,7 @@ def _demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         worst = EXIT_OK
         for policy, child in children:
             output, _ = child.communicate()
-            print(f"=== {_policy.POLICY_ENV}={policy} python gpu_kernel.py   (exit status {child.returncode})")
+            print(f"=== {POLICY_ENV}={policy} python gpu_kernel.py   (exit status {child.returncode})")
             print(textwrap.indent(output.rstrip(), "  "), end="\n\n")
             if child.returncode not in (0, 1):
                 worst = EXIT_PROBLEMS
@@ -374,20 +407,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     doctor.add_argument("--json", action="store_true", help="print the report as JSON")
     doctor.set_defaults(subparser=doctor)
-    policies = ", ".join(p.value for p in _policy.Policy)
-    interpreters = ", ".join(i.value for i in _policy.Interpreter)
+    policies, interpreters = OPTIONS["policy"].accepted, OPTIONS["interpreter"].accepted
     run = commands.add_parser(
         "run",
         help="run a command with the guard active in it and its Python children",
         description=(
-            f"Run COMMAND with {_policy.POLICY_ENV} (and {_policy.INTERPRETER_ENV}) set, so the autoload "
+            f"Run COMMAND with {POLICY_ENV} (and {OPTIONS['interpreter'].env}) set, so the autoload "
             "activates the guard in every Python process it starts. The command replaces pallas-guard "
             "(exec): its exit status and signals are its own."
         ),
         usage=f"{_PROG} run [-h] [--policy POLICY] [--interpreter INTERPRETER] -- COMMAND [ARG ...]",
     )
-    run.add_argument("--policy", help=f"one of {policies} (default: {_policy.POLICY_ENV}, else warn)")
-    run.add_argument("--interpreter", help=f"one of {interpreters} (default: {_policy.INTERPRETER_ENV}, else auto)")
+    run.add_argument("--policy", help=f"one of {policies} (default: {POLICY_ENV}, else warn)")
+    run.add_argument("--interpreter", help=f"one of {interpreters} (default: {OPTIONS['interpreter'].env}, else auto)")
     run.add_argument("command", nargs=argparse.REMAINDER, help="the command, after --")
     run.set_defaults(subparser=run)
     demo = commands.add_parser(

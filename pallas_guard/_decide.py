@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from typing import NamedTuple
 
-from ._policy import Policy
+from ._enums import Policy
 from ._target import is_accelerator
 
 

@@ -6,15 +6,17 @@ import functools
 import os
 import re
 import sys
-import threading
 import types
 import warnings
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
+from pallas_guard_autoload import DETECT_RACES_ENV, INTERPRETER_ENV, POLICY_ENV
+
 from . import _interpreters
+from ._enums import Policy
 from ._errors import PallasGuardError, PallasGuardWarning
-from ._policy import DETECT_RACES_ENV, INTERPRETER_ENV, POLICY_ENV, Policy, Setting
+from ._settings import Setting
 from ._target import Target, accelerator_evidence
 
 
@@ -228,19 +230,16 @@ def check_races(out: Any, *, kernel: KernelInfo, call_site: str | None) -> None:
     raise_if_race()
 
 
-_warned_lock = threading.Lock()
-_warned_sites: set[str] = set()
+# One registry per file, as Python keeps one per module: with it the "default" action shows a
+# warning once per location; "error"/"always" see every one, and a filter change (pytest does one
+# per test) resets it. The guard keeps no once-only memory of its own.
+_registries: dict[str, dict[Any, Any]] = {}
 
 
-def warn_once(
+def warn(
     *, kernel: KernelInfo, call_site: str | None, target: Target, policy: Setting[Policy], interpreter: str
 ) -> bool:
-    """Emit one ``PallasGuardWarning`` per call site per process, attributed to that user line."""
-    key = call_site or f"{kernel.entry_point}:{kernel.name}:{kernel.defined_at}"
-    with _warned_lock:
-        if key in _warned_sites:
-            return False
-        _warned_sites.add(key)
+    """Emit a ``PallasGuardWarning`` attributed to the user's line; repetition is the filters' business."""
     text = message(
         refused=False,
         kernel=kernel,
@@ -252,13 +251,9 @@ def warn_once(
     filename, _, line = (call_site or "").rpartition(":")
     if filename and line.isdigit():
         # warn_explicit puts the warning on the user's line even from inside a lowering rule,
-        # where no stacklevel could reach it; -W error::PallasGuardWarning still applies.
-        warnings.warn_explicit(text, PallasGuardWarning, filename, int(line))
+        # where no stacklevel could reach it.
+        registry = _registries.setdefault(filename, {})
+        warnings.warn_explicit(text, PallasGuardWarning, filename, int(line), registry=registry)
     else:
         warnings.warn(text, PallasGuardWarning, stacklevel=2)
     return True
-
-
-def reset_warned_sites() -> None:
-    with _warned_lock:
-        _warned_sites.clear()

@@ -1,5 +1,4 @@
-"""The public enums. Their own module: ``enum`` (with functools and collections) is most of what
-``import pallas_guard`` would cost at interpreter start-up, so it is imported on first use."""
+"""The public enums."""
 
 from __future__ import annotations
 
@@ -12,7 +11,7 @@ class Policy(enum.StrEnum):
     INTERPRET = "interpret"
     """Run it in the right interpret mode, silently."""
     WARN = "warn"
-    """Run it interpreted and emit one :class:`PallasGuardWarning` per call site."""
+    """Run it interpreted and emit a :class:`PallasGuardWarning` at the user's line."""
     STRICT = "strict"
     """Raise :class:`PallasGuardError` with a diagnostic."""
     OFF = "off"

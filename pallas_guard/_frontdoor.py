@@ -10,10 +10,12 @@ target: an AOT lowering or export for cuda/tpu from this process stays byte-iden
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Callable
 from typing import Any
 
-from . import _decide, _diagnostics, _internals, _interpreters, _policy, _record, _state, _target
+from . import _decide, _diagnostics, _internals, _interpreters, _record, _settings, _state, _target
+from ._enums import Policy
 from ._errors import PallasGuardError
 
 # The parameter that holds the kernel body, per entry point.
@@ -30,17 +32,15 @@ def _kernel_info(entry_point: str, args: tuple[Any, ...], kwargs: dict[str, Any]
 
 
 def _strict_fallback(
-    entry_point: str, verdict: _decide.Verdict, choice: _interpreters.Choice | None
-) -> tuple[_decide.Verdict, _target.Target, _policy.Setting[_policy.Policy]] | None:
+    entry_point: str, verdict: _decide.Verdict, choice: _interpreters.Choice | None, installation: Any
+) -> tuple[_decide.Verdict, _target.Target, _settings.Setting[Policy]] | None:
     """Where the lowering net is missing, what would be left to it is refused here instead.
 
     Deferring to a net that is not there would be the guard silently doing nothing. An unknown
     target is taken to be the CPU only when no accelerator plugin is installed (so JAX can only
     use the CPU); otherwise the kernel is left to JAX, which may well run it on its accelerator.
     """
-    from ._install import lowering_net_gap
-
-    gap = lowering_net_gap(entry_point)
+    gap = installation.lowering_net_gap(entry_point)
     if gap is None:
         return None
     if verdict.action is _decide.Action.DEFER:
@@ -51,10 +51,10 @@ def _strict_fallback(
         target = _target.detect()  # plain, which only the net could have substituted
     else:
         return None
-    policy = _policy.current_policy()
+    policy = _settings.current_policy()
     reason = f"falls back to strict: {gap}"
-    strict = _policy.Setting(
-        _policy.Policy.STRICT,
+    strict = _settings.Setting(
+        Policy.STRICT,
         f"pallas_guard's fallback: {gap}, and policy {policy.value.value!r} (from {policy.source}) needs it; "
         "pass interpret=True yourself, or use a jax version pallas_guard supports",
     )
@@ -85,7 +85,7 @@ class _Guarded:
         choice: _interpreters.Choice,
         facts: _interpreters.KernelFacts,
         target: _target.Target,
-        policy: _policy.Setting[_policy.Policy],
+        policy: _settings.Setting[Policy],
     ) -> None:
         self._entry_point, self._args, self._kwargs = entry_point, args, kwargs
         self.choice, self.facts, self.target, self.policy = choice, facts, target, policy
@@ -129,7 +129,6 @@ class _Guarded:
         """
         if not callable(kernel_callable):
             return kernel_callable
-        import wrapt
 
         def pallas_guard_kernel(
             wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -140,21 +139,21 @@ class _Guarded:
                 _diagnostics.check_races(out, kernel=self.kernel, call_site=self.call_site)
             return out
 
-        return wrapt.FunctionWrapper(kernel_callable, pallas_guard_kernel)
+        return _kernel_wrapper_class()(kernel_callable, pallas_guard_kernel)
 
 
-def make_wrapper(entry_point: str) -> Callable[..., Any]:
-    """The wrapt wrapper function for one entry point."""
+def wrap_entry_point(original: Callable[..., Any], entry_point: str, installation: Any) -> Any:
+    """The wrapper that replaces ``original``; it acts only while ``installation`` is active."""
 
     def pallas_guard_front_door(
         wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
         del instance
         interpret = kwargs.get("interpret", False)
-        if interpret or not _state.active():
+        if interpret:
             return wrapped(*args, **kwargs)
-        policy = _policy.current_policy()
-        if policy.value is _policy.Policy.OFF:
+        policy = _settings.current_policy()
+        if policy.value is Policy.OFF:
             return wrapped(*args, **kwargs)
         target = _target.detect()
         verdict = _decide.decide(
@@ -167,13 +166,13 @@ def make_wrapper(entry_point: str) -> Callable[..., Any]:
         if verdict.action is _decide.Action.INTERPRET:
             facts = _kernel_facts(entry_point, args, kwargs)
             choice = _interpreters.choose(
-                _policy.current_interpreter(),
+                _settings.current_interpreter(),
                 facts,
-                detect_races=_policy.detect_races(),
+                detect_races=_settings.detect_races(),
                 inside_lowering=_internals.inside_lowering(),
             )
         shown_policy = policy
-        fallback = _strict_fallback(entry_point, verdict, choice)
+        fallback = _strict_fallback(entry_point, verdict, choice, installation)
         if fallback is not None:
             verdict, target, shown_policy = fallback
         if verdict.action is _decide.Action.REFUSE:
@@ -204,7 +203,7 @@ def make_wrapper(entry_point: str) -> Callable[..., Any]:
             )
             if choice.value is not None and not _target.inside_export():
                 kernel, call_site = guarded.kernel, guarded.call_site
-                warned = verdict.warn and _diagnostics.warn_once(
+                warned = verdict.warn and _diagnostics.warn(
                     kernel=kernel, call_site=call_site, target=target, policy=policy, interpreter=choice.name
                 )
                 _state.mark_injected(choice.value)
@@ -229,4 +228,38 @@ def make_wrapper(entry_point: str) -> Callable[..., Any]:
         return wrapped(*args, **kwargs)
 
     pallas_guard_front_door.__qualname__ = f"pallas_guard_front_door[{entry_point}]"
-    return pallas_guard_front_door
+    wrapper = _entry_point_wrapper_class()(original, pallas_guard_front_door, installation.is_active)
+    # wrapt keeps `_self_`-prefixed attributes on the proxy itself: our marker for idempotence.
+    wrapper._self_pallas_guard = True  # noqa: SLF001
+    return wrapper
+
+
+@functools.cache
+def _entry_point_wrapper_class() -> type:
+    import wrapt
+
+    class EntryPointWrapper(wrapt.FunctionWrapper):  # type: ignore[type-arg]
+        """An entry point with the guard in front; pickles by reference, as the function it wraps."""
+
+        def __reduce_ex__(self, protocol: object) -> str:
+            # A name: pickle stores module + qualified name, as for the function itself, and loads
+            # whatever that name holds there (this wrapper while the guard is installed).
+            return str(self.__wrapped__.__qualname__)
+
+    return EntryPointWrapper
+
+
+@functools.cache
+def _kernel_wrapper_class() -> type:
+    import wrapt
+
+    class KernelWrapper(wrapt.FunctionWrapper):  # type: ignore[type-arg]
+        """The callable an entry point returned, with failures explained; pickles as that callable."""
+
+        def __reduce_ex__(self, protocol: object) -> tuple[Any, ...]:
+            # itemgetter(0)((x,)) is x: the wrapped callable is pickled (by value or by reference,
+            # as pickle or cloudpickle would without the guard) and nothing of pallas_guard is needed
+            # to load it.
+            return operator.itemgetter(0), ((self.__wrapped__,),)
+
+    return KernelWrapper

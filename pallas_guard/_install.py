@@ -1,19 +1,21 @@
-"""``install()`` / ``uninstall()``: the one code path every surface goes through."""
+"""``install()`` / ``uninstall()``: the one code path every surface goes through, and the one
+owner of what is installed (:data:`installation`)."""
 
 from __future__ import annotations
 
-import _thread
+import dataclasses
+import os
 import sys
+import threading
+from types import ModuleType
+from typing import Any
 
-from . import _hook, _policy, _state
+import pallas_guard_autoload
 
-# Only the type checker needs these (see pallas_guard/__init__.py): this module loads at start-up.
-TYPE_CHECKING = False
-if TYPE_CHECKING:
-    from types import ModuleType
-    from typing import Any
+from . import _settings
+from ._enums import Interpreter, Policy
 
-PALLAS_MODULE = "jax.experimental.pallas"
+PALLAS_MODULE = pallas_guard_autoload.PALLAS_MODULE
 MOSAIC_GPU_MODULE = "jax.experimental.pallas.mosaic_gpu"
 
 # (module attribute, entry-point label) patched when each module is imported.
@@ -22,9 +24,20 @@ _ENTRY_POINTS = {
     MOSAIC_GPU_MODULE: (("kernel", "plgpu.kernel"),),
 }
 
-_lock = _thread.RLock()  # threading.RLock is this C lock; `import threading` costs more
-_requested = False
-_failure: str | None = None
+
+@dataclasses.dataclass(frozen=True)
+class Status:
+    """What is installed right now (``doctor``, the pytest plugin, tests)."""
+
+    requested: bool
+    """``install()`` was called and not undone by ``uninstall()``."""
+    active: bool
+    """The wrappers and rules act (requested, and no internal error disabled them)."""
+    failure: str | None
+    """The internal error that disabled the guard, if one did."""
+    patched: tuple[str, ...]
+    lowering_rules: tuple[str, ...]
+    lowering_net_gaps: dict[str, str]
 
 
 class _Patch:
@@ -38,152 +51,220 @@ class _Patch:
             setattr(self.owner, self.attribute, self.original)
 
 
-_patches: list[_Patch] = []
-_rules: list[Any] = []
-# Lowering net -> why it is not installed. The front door reads it: where the net is missing it
-# refuses with a diagnostic instead of deferring to a net that is not there.
-_net_gaps: dict[str, str] = {}
-_routes_via_mpmd = False
+class Installation:
+    """The guard's lifecycle in this process: requested or not, what it patched and registered."""
 
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.requested = False
+        self.active = False
+        """Read by every wrapper and rule on every call: one attribute, no lock."""
+        self.failure: str | None = None
+        self.patches: list[_Patch] = []
+        self.rules: list[Any] = []
+        # Lowering net -> why it is not installed. The front door reads it: where the net is missing
+        # it refuses with a diagnostic instead of deferring to a net that is not there.
+        self.net_gaps: dict[str, str] = {}
+        self.routes_via_mpmd = False
 
-def lowering_net_gap(entry_point: str) -> str | None:
-    """Why no CPU lowering net catches kernels built by ``entry_point``; None when one does."""
-    net = "mpmd_map" if entry_point != "pallas_call" and _routes_via_mpmd else "pallas_call"
-    return _net_gaps.get(net)
+    def is_active(self) -> bool:
+        return self.active
+
+    def lowering_net_gap(self, entry_point: str) -> str | None:
+        """Why no CPU lowering net catches kernels built by ``entry_point``; None when one does."""
+        net = "mpmd_map" if entry_point != "pallas_call" and self.routes_via_mpmd else "pallas_call"
+        return self.net_gaps.get(net)
+
+    # --- the lifecycle -------------------------------------------------------------------------
+
+    def install(self, given: dict[str, _settings.Setting[Any]]) -> None:
+        _settings.configure(given)  # raises on a bad value, before anything changes
+        with self.lock:
+            self.requested = True
+            self.failure = None
+            self.active = True
+        finder = pallas_guard_autoload.finder()
+        for module_name in _ENTRY_POINTS:
+            finder.register(module_name, self._on_import)
+
+    def uninstall(self) -> None:
+        with self.lock:
+            self.requested = False
+            self._undo_locked()
+
+    def status(self) -> Status:
+        with self.lock:
+            return Status(
+                requested=self.requested,
+                active=self.active,
+                failure=self.failure,
+                patched=tuple(f"{p.owner.__name__}.{p.attribute}" for p in self.patches),
+                lowering_rules=tuple(str(r.primitive) for r in self.rules),
+                lowering_net_gaps=dict(self.net_gaps),
+            )
+
+    def _on_import(self, module: ModuleType) -> None:
+        """Post-import callback: patch the entry points of ``module``. Never raises into an import."""
+        with self.lock:
+            if not self.requested or self.failure is not None:
+                return
+            try:
+                if module.__name__ == PALLAS_MODULE:
+                    from ._internals import check_tested_range
+
+                    check_tested_range()
+                for attribute, entry_point in _ENTRY_POINTS.get(module.__name__, ()):
+                    self._wrap_entry_point(module, attribute, entry_point)
+                self._install_lowering_net()
+            except Exception as error:  # the user's import must not fail because of us
+                self.failure = f"{type(error).__name__}: {error}"
+                self._undo_locked()
+                sys.stderr.write(
+                    f"pallas_guard: disabled itself after an internal error while patching {module.__name__}: "
+                    f"{self.failure}\n"
+                )
+
+    def _undo_locked(self) -> None:
+        self.active = False
+        while self.patches:
+            self.patches.pop().restore()
+        while self.rules:
+            self.rules.pop().remove()
+        self.net_gaps.clear()
+
+    # --- what is installed -----------------------------------------------------------------------
+
+    def _wrap_entry_point(self, module: ModuleType, attribute: str, entry_point: str) -> None:
+        # vars(): an attribute served by a module __getattr__ (pl.core_map from jax 0.11.2, with its
+        # deprecation warning) is not patched; the lowering net covers it.
+        original = vars(module).get(attribute)
+        if original is None or _is_ours(original) or not callable(original):
+            return
+        from ._frontdoor import wrap_entry_point
+
+        wrapper = wrap_entry_point(original, entry_point, self)
+        owners = [module]
+        # Also patch the defining module: JAX's own callers (and PallasTest) look the function up there.
+        defining = sys.modules.get(getattr(original, "__module__", "") or "")
+        defined_as = getattr(original, "__name__", attribute)
+        if defining is not None and defining is not module and vars(defining).get(defined_as) is original:
+            owners.append(defining)
+        for owner in owners:
+            name = attribute if owner is module else defined_as
+            self.patches.append(_Patch(owner, name, original, wrapper))
+            setattr(owner, name, wrapper)
+
+    def _install_lowering_net(self) -> None:
+        from . import _internals, _lowering
+
+        if self.rules or self.net_gaps:
+            return
+        _internals.exclude_guard_frames_from_jax_tracebacks()
+        self.routes_via_mpmd = _internals.has_mpmd_module()
+        nets = {"pallas_call": ("pallas_call", "pallas_call_p", _internals.pallas_call_primitive())}
+        if self.routes_via_mpmd:
+            nets["mpmd_map"] = ("pl.kernel/core_map (mpmd_map)", "mpmd_map_p", _internals.mpmd_map_primitive())
+        registry = _internals.lowering_registry()
+        if registry is None:
+            _internals.note_missing("jax.interpreters.mlir registries", "the CPU lowering net is not installed")
+        for net, (entry_point, name, primitive) in nets.items():
+            if registry is not None and primitive is None:
+                _internals.note_missing(name, f"the CPU lowering net for {entry_point} is not installed")
+            installed = None
+            if registry is not None and primitive is not None:
+                installed = _lowering.install_rule(registry, primitive, entry_point, self)
+            if installed is None:
+                self.net_gaps[net] = (
+                    f"the CPU lowering net for {entry_point} is not installed (JAX internals not found in "
+                    f"jax {_internals.jax_version()}: {', '.join(sorted(_internals.missing))})"
+                )
+            else:
+                self.rules.append(installed)
 
 
 def _is_ours(value: object) -> bool:
     return bool(getattr(value, "_self_pallas_guard", False))
 
 
-def _wrap_entry_point(module: ModuleType, attribute: str, entry_point: str) -> None:
-    # vars(): an attribute served by a module __getattr__ (pl.core_map from jax 0.11.2, with its
-    # deprecation warning) is not patched; the lowering net covers it.
-    original = vars(module).get(attribute)
-    if original is None or _is_ours(original) or not callable(original):
-        return
-    import wrapt
-
-    from ._frontdoor import make_wrapper
-
-    wrapper = wrapt.FunctionWrapper(original, make_wrapper(entry_point))
-    # wrapt keeps `_self_`-prefixed attributes on the proxy itself: our marker for idempotence.
-    wrapper._self_pallas_guard = True  # type: ignore[attr-defined]  # noqa: SLF001
-    owners = [module]
-    # Also patch the defining module: JAX's own callers (and PallasTest) look the function up there.
-    defining = sys.modules.get(getattr(original, "__module__", "") or "")
-    defined_as = getattr(original, "__name__", attribute)
-    if defining is not None and defining is not module and vars(defining).get(defined_as) is original:
-        owners.append(defining)
-    for owner in owners:
-        name = attribute if owner is module else defined_as
-        _patches.append(_Patch(owner, name, original, wrapper))
-        setattr(owner, name, wrapper)
+installation = Installation()
 
 
-def _install_lowering_net() -> None:
-    global _routes_via_mpmd  # noqa: PLW0603
-    from . import _internals, _lowering
-
-    if _rules or _net_gaps:
-        return
-    _internals.exclude_guard_frames_from_jax_tracebacks()
-    _routes_via_mpmd = _internals.has_mpmd_module()
-    nets = {"pallas_call": ("pallas_call", "pallas_call_p", _internals.pallas_call_primitive())}
-    if _routes_via_mpmd:
-        nets["mpmd_map"] = ("pl.kernel/core_map (mpmd_map)", "mpmd_map_p", _internals.mpmd_map_primitive())
-    registry = _internals.lowering_registry()
-    if registry is None:
-        _internals.note_missing("jax.interpreters.mlir registries", "the CPU lowering net is not installed")
-    for net, (entry_point, name, primitive) in nets.items():
-        if registry is not None and primitive is None:
-            _internals.note_missing(name, f"the CPU lowering net for {entry_point} is not installed")
-        installed = None
-        if registry is not None and primitive is not None:
-            installed = _lowering.install_rule(registry, primitive, entry_point)
-        if installed is None:
-            _net_gaps[net] = (
-                f"the CPU lowering net for {entry_point} is not installed (JAX internals not found in "
-                f"jax {_internals.jax_version()}: {', '.join(sorted(_internals.missing))})"
-            )
-        else:
-            _rules.append(installed)
-
-
-def _on_import(module: ModuleType) -> None:
-    """Post-import callback: patch the entry points of ``module``. Never raises into an import."""
-    global _failure  # noqa: PLW0603
-    with _lock:
-        if not _requested or _failure is not None:
-            return
-        try:
-            if module.__name__ == PALLAS_MODULE:
-                from ._internals import check_tested_range
-
-                check_tested_range()
-            for attribute, entry_point in _ENTRY_POINTS.get(module.__name__, ()):
-                _wrap_entry_point(module, attribute, entry_point)
-            _install_lowering_net()
-        except Exception as error:  # the user's import must not fail because of us
-            _failure = f"{type(error).__name__}: {error}"
-            _undo_locked()
-            sys.stderr.write(
-                f"pallas_guard: disabled itself after an internal error while patching {module.__name__}: {_failure}\n"
-            )
-
-
-def _undo_locked() -> None:
-    _state.set_active(False)
-    while _patches:
-        _patches.pop().restore()
-    while _rules:
-        _rules.pop().remove()
-    _net_gaps.clear()
-
-
-def install(
-    policy: _policy.Policy | str | None = None, *, interpreter: _policy.Interpreter | str | None = None
-) -> None:
-    """Install the guard (idempotent). Settings not given come from the ``PALLAS_GUARD_*`` variables.
+def install(policy: Policy | str | None = None, *, interpreter: Interpreter | str | None = None) -> None:
+    """Install the guard (idempotent). Settings not given keep a value set earlier through the API,
+    else come from the ``PALLAS_GUARD_*`` variables.
 
     Raises ``PallasGuardConfigError`` (a ``ValueError``) for a bad variable or argument value and
     ``TypeError`` for an argument of the wrong type, before changing anything.
     """
-    global _requested, _failure  # noqa: PLW0603
-    parsed_policy = None if policy is None else _policy.parse_policy(policy, source="install(policy=...)")
-    parsed_interpreter = (
-        None if interpreter is None else _policy.parse_interpreter(interpreter, source="install(interpreter=...)")
-    )
-    with _lock:
-        _policy.load_from_env()
-        if parsed_policy is not None:
-            _policy.set_process_policy(parsed_policy, "install(policy=...)")
-        if parsed_interpreter is not None:
-            _policy.set_process_interpreter(parsed_interpreter, "install(interpreter=...)")
-        _requested = True
-        _failure = None
-        _state.set_active(True)
-    finder = _hook.finder()
-    for module_name in _ENTRY_POINTS:
-        finder.register(module_name, _on_import)
+    given = {}
+    for name, value in (("policy", policy), ("interpreter", interpreter)):
+        if value is not None:
+            source = f"install({name}=...)"
+            given[name] = _settings.Setting(_settings.parse(name, value, source), source)
+    installation.install(given)
 
 
 def uninstall() -> None:
     """Remove the guard (idempotent): the original functions and lowering registries come back."""
-    global _requested  # noqa: PLW0603
-    with _lock:
-        _requested = False
-        _undo_locked()
+    installation.uninstall()
 
 
-def status() -> dict[str, Any]:
-    """For ``doctor`` and tests: what is installed right now."""
-    with _lock:
-        return {
-            "requested": _requested,
-            "active": _state.active(),
-            "failure": _failure,
-            "patched": [f"{p.owner.__name__}.{p.attribute}" for p in _patches],
-            "lowering_rules": [str(r.primitive) for r in _rules],
-            "lowering_net_gaps": dict(_net_gaps),
-        }
+def status() -> Status:
+    return installation.status()
+
+
+# --- `import pallas_guard` ---------------------------------------------------------------------------
+
+# The functions of the stdlib ``site`` module that run .pth lines and the customize modules.
+_SITE_FUNCTIONS = frozenset({"addpackage", "execsitecustomize", "execusercustomize"})
+
+
+def during_site_startup() -> bool:
+    """True while ``site`` is processing a ``.pth`` line or importing ``sitecustomize``."""
+    frame = sys._getframe(1)  # noqa: SLF001 - a handful of frames, no source reads
+    while frame is not None:
+        if frame.f_code.co_name in _SITE_FUNCTIONS and frame.f_globals.get("__name__") == "site":
+            return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
+
+
+_CLI_MODULES = frozenset({"pallas_guard", "pallas_guard.__main__"})
+
+
+def cli_startup() -> bool:
+    """True in the ``pallas-guard`` CLI process, which reports a bad setting itself (``doctor``)."""
+    script = os.path.splitext(os.path.basename(sys.argv[0] if sys.argv else ""))[0]
+    if script in {"pallas-guard", "pallas-guard-script"}:
+        return True
+    # `python [options] -m pallas_guard ...`: sys.argv[0] is still "-m" while runpy imports us.
+    argv = list(getattr(sys, "orig_argv", ()))[1:]
+    index = 0
+    while index < len(argv):
+        argument = argv[index]
+        if argument == "-m":
+            return index + 1 < len(argv) and argv[index + 1] in _CLI_MODULES
+        if argument.startswith("-m"):
+            return argument[2:] in _CLI_MODULES
+        if argument == "-c" or not argument.startswith("-"):
+            return False  # the interpreter's own options end here
+        index += 2 if argument in {"-X", "-W"} else 1
+    return False
+
+
+def install_at_import() -> None:
+    """What ``import pallas_guard`` does: a bare ``install()``.
+
+    Where raising would break more than the guard (a ``sitecustomize`` importing us, the
+    ``pallas-guard`` CLI, which reports bad values itself), a bad value prints the one start-up
+    line and leaves the guard off; the settings stay unloaded, so ``get_policy()`` and
+    ``install()`` raise the error, naming the variable.
+    """
+    quiet = during_site_startup() or cli_startup()
+    try:
+        install()
+    except (ValueError, TypeError) as error:
+        if not quiet:
+            raise
+        if not cli_startup():
+            pallas_guard_autoload.report_startup_error(error)

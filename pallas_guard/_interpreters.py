@@ -18,8 +18,11 @@ import types
 from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple
 
+from pallas_guard_autoload import DETECT_RACES_ENV
+
 from . import _internals
-from ._policy import DETECT_RACES_ENV, Interpreter, Setting
+from ._enums import Interpreter
+from ._settings import Setting
 
 
 class Choice(NamedTuple):

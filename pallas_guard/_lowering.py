@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from . import _decide, _diagnostics, _internals, _policy, _record, _state, _target
+from . import _decide, _diagnostics, _internals, _record, _settings, _state, _target
 
 LoweringRule = Callable[..., Any]
 
@@ -21,14 +21,14 @@ def _lowering_platforms(ctx: Any) -> tuple[str, ...]:
     return tuple(platforms) if platforms else ("cpu",)
 
 
-def make_cpu_rule(entry_point: str, delegate: LoweringRule) -> LoweringRule:
+def make_cpu_rule(entry_point: str, delegate: LoweringRule, installation: Any) -> LoweringRule:
     """A CPU rule that applies the decision table, then hands over to JAX's own rule."""
 
     def pallas_guard_cpu_rule(ctx: Any, *in_nodes: Any, **params: Any) -> Any:
         interpret = params.get("interpret")
-        if not _state.active():
+        if not installation.active:
             return delegate(ctx, *in_nodes, **params)
-        policy = _policy.current_policy()
+        policy = _settings.current_policy()
         verdict = _decide.decide(policy=policy.value, platform="cpu", interpret=interpret)
         if verdict.action is _decide.Action.UNTOUCHED and _state.is_injected(interpret):
             # The front door chose this interpreter and already recorded it.
@@ -57,7 +57,7 @@ def make_cpu_rule(entry_point: str, delegate: LoweringRule) -> LoweringRule:
             record("refused", None)
             raise _diagnostics.refusal(kernel=kernel, call_site=call_site, target=target, policy=policy)
         if verdict.action is _decide.Action.INTERPRET:
-            warned = verdict.warn and _diagnostics.warn_once(
+            warned = verdict.warn and _diagnostics.warn(
                 kernel=kernel, call_site=call_site, target=target, policy=policy, interpreter="plain"
             )
             record("interpreted", "plain", warned)
@@ -90,7 +90,9 @@ class InstalledRule:
             self.registry.cpu[self.primitive] = self.previous
 
 
-def install_rule(registry: _internals.LoweringRegistry, primitive: Any, entry_point: str) -> InstalledRule | None:
+def install_rule(
+    registry: _internals.LoweringRegistry, primitive: Any, entry_point: str, installation: Any
+) -> InstalledRule | None:
     previous = registry.cpu.get(primitive)
     # If JAX ever ships its own CPU rule, delegate to it rather than to the common rule.
     delegate = _internals.unwrap_rule(previous) or registry.common_rule(primitive)
@@ -99,6 +101,6 @@ def install_rule(registry: _internals.LoweringRegistry, primitive: Any, entry_po
             f"lowering rule of {primitive}", f"the CPU lowering net for {entry_point} is not installed"
         )
         return None
-    rule = make_cpu_rule(entry_point, delegate)
+    rule = make_cpu_rule(entry_point, delegate, installation)
     registry.register_lowering(primitive, rule, platform="cpu")
     return InstalledRule(registry, primitive, previous, rule)

@@ -91,14 +91,24 @@ _NVIDIA_MARKERS = ("/dev/nvidia0", "/proc/driver/nvidia/version")
 
 @functools.lru_cache(maxsize=1)
 def installed_accelerator_plugins() -> tuple[str, ...]:
+    """Accelerator plugins installed where this interpreter loads packages from.
+
+    Not the working directory (``sys.path``'s ``''`` or its absolute path, for ``python -c``/``-m``):
+    a stray ``libtpu-*.dist-info`` folder there is not a plugin JAX would load. A distribution
+    without a version (an empty folder) is no installed plugin either.
+    """
+    import sys
     from importlib import metadata
 
+    cwd = os.getcwd()
+    path = [entry for entry in sys.path if entry and os.path.abspath(entry) != cwd]
     found = []
     for name in _PLUGIN_DISTRIBUTIONS:
-        try:
-            found.append(f"{name} {metadata.version(name)}")
-        except metadata.PackageNotFoundError:
-            continue
+        for distribution in metadata.distributions(name=name, path=path):
+            version = distribution.metadata["Version"] if distribution.metadata is not None else None
+            if version:
+                found.append(f"{name} {version}")
+                break
     return tuple(found)
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import pallas_guard
-from pallas_guard import _diagnostics, _policy, _record
+from pallas_guard import _record, _settings
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -39,9 +39,7 @@ ORIGINAL_CPU_RULES = _cpu_rules()
 
 
 def _reset_settings() -> None:
-    _policy.set_process_policy(_policy.DEFAULT_POLICY, "default")
-    _policy.set_process_interpreter(_policy.DEFAULT_INTERPRETER, "default")
-    _policy._process.detect_races = _policy.Setting(False, "default")
+    _settings.reset()
 
 
 @pytest.fixture(autouse=True)
@@ -52,7 +50,6 @@ def _leave_jax_as_found() -> Iterator[None]:
     jax.clear_caches()
     _reset_settings()
     _record.clear()
-    _diagnostics.reset_warned_sites()
     assert pl.pallas_call is ORIGINAL_PALLAS_CALL
     assert _cpu_rules() == ORIGINAL_CPU_RULES
 

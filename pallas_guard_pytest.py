@@ -1,39 +1,35 @@
 """pytest plugin (``pytest11`` entry point ``pallas_guard``; ``-p no:pallas_guard`` disables it).
 
-The guard is active in a test session when a policy is given: ``--pallas-guard-policy``, the
-``pallas_guard_policy`` ini setting, or ``PALLAS_GUARD_POLICY`` (in that order; an interpreter
-given to pytest counts too), or when ``pallas_guard`` was imported before pytest loaded this
-plugin (the ``.pth`` autoload, ``sitecustomize``) or by a conftest. Otherwise the plugin takes
-back the guard that importing this module installed (see :func:`_undo_our_own_import`).
+PYTEST_DONT_REWRITE (a plugin; nothing of ours to rewrite).
+
+A standalone module: it imports ``pallas_guard`` only when it acts, so installing pallas_guard
+changes nobody's pytest runs. It acts in a test session when a policy is given:
+``--pallas-guard-policy``, the ``pallas_guard_policy`` ini setting, or ``PALLAS_GUARD_POLICY``
+(an interpreter given to pytest counts too), or when the guard was already asked for (the
+autoload, a ``sitecustomize``). A bad value of any of them is then a usage error (exit 4) naming it.
 ``@pytest.mark.pallas_guard(...)`` scopes a policy to one test or class, activating the guard for
 that test if the session has none.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 from collections import Counter
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pytest
 
-if TYPE_CHECKING:
-    from ._policy import Interpreter, Policy, Setting
-    from ._record import Decision
-
-# A literal, not pallas_guard._policy.POLICY_ENV: importing pallas_guard would install the guard
-# in every session (tests check the two agree).
-POLICY_ENV = "PALLAS_GUARD_POLICY"
+import pallas_guard_autoload
+from pallas_guard_autoload import OPTIONS, POLICY_ENV
 
 POLICY_HELP = (
-    "pallas_guard policy for Pallas kernels that would lower for the CPU without interpret=: "
-    f"interpret, warn, strict or off (default: the ini setting, else ${POLICY_ENV}; none: the guard stays off)"
+    f"pallas_guard policy for Pallas kernels that would lower for the CPU without interpret=: "
+    f"{OPTIONS['policy'].accepted} (default: the ini setting, else ${POLICY_ENV}; none: the guard stays off)"
 )
 INTERPRETER_HELP = (
-    "pallas_guard interpreter for those kernels: auto, plain, tpu or gpu "
-    "(default: the ini setting, else $PALLAS_GUARD_INTERPRETER, else auto)"
+    f"pallas_guard interpreter for those kernels: {OPTIONS['interpreter'].accepted} "
+    f"(default: the ini setting, else ${OPTIONS['interpreter'].env}, else auto)"
 )
 DETAILS_HELP = "list, per test, each Pallas kernel pallas_guard interpreted, refused or left alone"
 MARKER = (
@@ -68,23 +64,28 @@ class _Session:
         return None
 
     def configure(self) -> None:
-        policy_given = self._given("pallas_guard_policy")
-        interpreter_given = self._given("pallas_guard_interpreter")
-        from_env = bool(os.environ.get(POLICY_ENV, "").strip())
-        already = "pallas_guard" in sys.modules and bool(_status()["requested"])
-        if not (policy_given or interpreter_given or from_env or already):
+        given = {}
+        for name in ("policy", "interpreter"):
+            where = self._given(f"pallas_guard_{name}")
+            if where is not None:
+                given[name] = where
+        if not (given or pallas_guard_autoload.guard_wanted() or _guard_requested()):
             return
-        guard = _import_guard()
-        from . import _policy
+        try:
+            pallas_guard_autoload.read_environment()  # a bad variable: a usage error, not a crash
+            for name, (value, source) in given.items():
+                OPTIONS[name].parse(value, source)
+        except (ValueError, TypeError) as error:
+            raise pytest.UsageError(f"pallas_guard: {error}") from None
+        import pallas_guard  # noqa: F401 - installs the guard from the environment (the one code path)
+        from pallas_guard import _install, _settings
 
-        policy = _parse(policy_given, "policy") if policy_given else None
-        interpreter = _parse(interpreter_given, "interpreter") if interpreter_given else None
-        guard.install(policy, interpreter=interpreter)  # the one code path, as every surface
-        # install() labels explicit values "install(...)"; say which pytest setting they came from.
-        if policy_given and isinstance(policy, _policy.Policy):
-            _policy.set_process_policy(policy, policy_given[1])
-        if interpreter_given and isinstance(interpreter, _policy.Interpreter):
-            _policy.set_process_interpreter(interpreter, interpreter_given[1])
+        _install.installation.install(
+            {
+                name: _settings.Setting(_settings.parse(name, value, source), source)
+                for name, (value, source) in given.items()
+            }
+        )
         self.active = True
 
     # --- records ---------------------------------------------------------------------------------
@@ -93,7 +94,7 @@ class _Session:
         """Attribute the decisions recorded since the last call to ``nodeid``."""
         if "pallas_guard" not in sys.modules:
             return
-        from . import _record
+        from pallas_guard import _record
 
         records = _record.snapshot()
         if len(records) < self._seen:  # someone cleared them (clear_decisions())
@@ -102,34 +103,22 @@ class _Session:
         self._seen = len(records)
 
 
-def _status() -> dict[str, Any]:
-    from . import _install
+def _guard_requested() -> bool:
+    if "pallas_guard" not in sys.modules:
+        return pallas_guard_autoload.activated
+    from pallas_guard import _install
 
-    return _install.status()
+    return _install.status().requested
 
 
-def _import_guard() -> Any:
+def _parse(name: str, value: object, source: str) -> Any:
     try:
-        import pallas_guard
-    except ValueError as error:  # a bad PALLAS_GUARD_* variable
-        raise pytest.UsageError(f"pallas_guard: {error}") from None
-    return pallas_guard
-
-
-def _parse(given: tuple[str, str], kind: str) -> Policy | Interpreter:
-    _import_guard()
-    from . import _policy
-
-    value, source = given
-    try:
-        if kind == "policy":
-            return _policy.parse_policy(value, source=source)
-        return _policy.parse_interpreter(value, source=source)
-    except ValueError as error:
+        return OPTIONS[name].parse(value, source)
+    except (ValueError, TypeError) as error:
         raise pytest.UsageError(f"pallas_guard: {error}") from None
 
 
-def _row(decision: Decision, nodeid: str) -> dict[str, Any]:
+def _row(decision: Any, nodeid: str) -> dict[str, Any]:
     return {
         "test": nodeid,
         "kernel": decision.kernel,
@@ -146,29 +135,10 @@ def _row(decision: Decision, nodeid: str) -> dict[str, Any]:
 _KEY = pytest.StashKey[_Session]()
 
 
-def _undo_our_own_import() -> None:
-    """Importing this module imported ``pallas_guard``, which installed the guard: take that back.
-
-    Unless the guard was asked for before pytest loaded this plugin (``PALLAS_GUARD_POLICY``, or an
-    ``import pallas_guard`` in ``sitecustomize``), the plugin uninstalls it and forgets the package,
-    so that a conftest's or test's own ``import pallas_guard`` later installs it, as documented.
-    Called from ``pytest_addoption``, which pytest calls as soon as it registers this plugin, before
-    any conftest (not at import: importlib still needs the package while it imports this module).
-    """
-    from . import _autoload, _install
-
-    if os.environ.get(POLICY_ENV, "").strip() or _autoload.imported_at_startup:
-        return
-    _install.uninstall()
-    for name in [n for n in sys.modules if n == "pallas_guard" or n.startswith("pallas_guard._")]:
-        del sys.modules[name]
-
-
 # --- hooks ------------------------------------------------------------------------------------------
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    _undo_our_own_import()
     group = parser.getgroup("pallas_guard", "pallas_guard: Pallas kernels written for GPU/TPU, on the CPU")
     group.addoption("--pallas-guard-policy", dest="pallas_guard_policy", metavar="POLICY", help=POLICY_HELP)
     group.addoption(
@@ -184,9 +154,11 @@ def pytest_configure(config: pytest.Config) -> None:
     session = _Session(config)
     config.stash[_KEY] = session
     session.configure()
+    if config.pluginmanager.hasplugin("xdist"):
+        config.pluginmanager.register(_XdistController(), "pallas_guard_xdist")
 
 
-def _setting_text(setting: Setting[Any]) -> str:
+def _setting_text(setting: Any) -> str:
     return f"{setting.value.value} (from {setting.source})"
 
 
@@ -197,17 +169,17 @@ def pytest_report_header(config: pytest.Config) -> str:
             "pallas_guard: inactive (give a policy with --pallas-guard-policy, the pallas_guard_policy ini "
             f"setting or {POLICY_ENV})"
         )
-    from . import _policy, _target
+    from pallas_guard import _settings, _target
 
     target = _target.detect()
     where = target.platform or "decided when each kernel lowers"
     return (
-        f"pallas_guard: policy {_setting_text(_policy.current_policy())}, interpreter "
-        f"{_setting_text(_policy.current_interpreter())}, target {where} ({'; '.join(target.evidence)})"
+        f"pallas_guard: policy {_setting_text(_settings.current_policy())}, interpreter "
+        f"{_setting_text(_settings.current_interpreter())}, target {where} ({'; '.join(target.evidence)})"
     )
 
 
-def _marker_settings(item: pytest.Item) -> tuple[Policy | None, Interpreter | None] | None:
+def _marker_settings(item: pytest.Item) -> tuple[str | None, str | None] | None:
     marker = item.get_closest_marker("pallas_guard")
     if marker is None:
         return None
@@ -220,11 +192,9 @@ def _marker_settings(item: pytest.Item) -> tuple[Policy | None, Interpreter | No
     source = f"@pytest.mark.pallas_guard on {item.nodeid}"
     policy = marker.args[0] if marker.args else marker.kwargs.get("policy")
     interpreter = marker.kwargs.get("interpreter")
-    parsed_policy = None if policy is None else _parse((policy, source), "policy")
-    parsed_interpreter = (
-        None if interpreter is None else _parse((interpreter, f"{source} (interpreter=)"), "interpreter")
-    )
-    return parsed_policy, parsed_interpreter  # type: ignore[return-value]
+    parsed_policy = None if policy is None else _parse("policy", policy, source)
+    parsed_interpreter = None if interpreter is None else _parse("interpreter", interpreter, f"{source} (interpreter=)")
+    return parsed_policy, parsed_interpreter
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -240,8 +210,11 @@ def _pallas_guard_marker(request: pytest.FixtureRequest) -> Iterator[None]:
     if settings is None:
         yield
         return
-    installed_here = "pallas_guard" not in sys.modules or not _status()["requested"]
-    guard = _import_guard()
+    installed_here = not _guard_requested()
+    try:
+        import pallas_guard as guard
+    except (ValueError, TypeError) as error:  # a bad PALLAS_GUARD_* variable
+        raise pytest.UsageError(f"pallas_guard: {error}") from None
     if installed_here:
         guard.install()
     try:
@@ -270,14 +243,17 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         workeroutput["pallas_guard_active"] = state.active
 
 
-@pytest.hookimpl(optionalhook=True)
-def pytest_testnodedown(node: Any, error: object) -> None:
-    """pytest-xdist, on the controller: collect a finished worker's rows."""
-    del error
-    output = getattr(node, "workeroutput", None) or {}
-    state = node.config.stash[_KEY]
-    state.rows.extend(output.get(_WORKER_KEY, ()))
-    state.active = state.active or bool(output.get("pallas_guard_active"))
+class _XdistController:
+    """pytest-xdist's controller hooks, registered only when xdist is loaded."""
+
+    @pytest.hookimpl
+    def pytest_testnodedown(self, node: Any, error: object) -> None:
+        """Collect a finished worker's rows."""
+        del error
+        output = getattr(node, "workeroutput", None) or {}
+        state = node.config.stash[_KEY]
+        state.rows.extend(output.get(_WORKER_KEY, ()))
+        state.active = state.active or bool(output.get("pallas_guard_active"))
 
 
 def summary_lines(rows: list[dict[str, Any]], *, details: bool) -> list[str]:

@@ -1,0 +1,131 @@
+"""Settings: each option's value in this process and where it came from, and scoped overrides.
+
+The options themselves (variable, parser, accepted values, default) are declared once, in
+``pallas_guard_autoload.OPTIONS``, which start-up validates with before this package is imported.
+Precedence, highest first: a ``policy()`` scope; a value given through the API (``install(...)``,
+``set_policy()``, the pytest plugin's option or ini), which a later bare ``install()`` or a reload
+keeps; the ``PALLAS_GUARD_*`` variable; the default.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import threading
+from collections.abc import Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager
+from types import MappingProxyType
+from typing import Any, Generic, NamedTuple, TypeVar
+
+from pallas_guard_autoload import OPTIONS, read_environment
+
+from ._enums import Interpreter, Policy
+
+T = TypeVar("T")
+__all__ = ["AbstractContextManager", "Setting"]
+
+
+class Setting(NamedTuple, Generic[T]):
+    """A resolved value and where it came from (for diagnostics and ``doctor``)."""
+
+    value: T
+    source: str
+
+
+# Options whose values the public API shows as enums.
+_PUBLIC_TYPES: dict[str, type] = {"policy": Policy, "interpreter": Interpreter}
+
+
+def parse(name: str, value: object, source: str) -> Any:
+    """``value`` for option ``name``, or ``TypeError``/``PallasGuardConfigError`` naming ``source``."""
+    parsed = OPTIONS[name].parse(value, source)
+    public = _PUBLIC_TYPES.get(name)
+    return public(parsed) if public is not None else parsed
+
+
+def _from(name: str, value: object, source: str) -> Setting[Any]:
+    public = _PUBLIC_TYPES.get(name)
+    return Setting(public(value) if public is not None else value, source)
+
+
+class _Process:
+    """The process-wide values; loaded from the environment on first use or by ``install()``."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.values: dict[str, Setting[Any]] | None = None
+        self.pinned: set[str] = set()  # given through the API: the environment no longer applies
+
+
+_process = _Process()
+_NO_OVERRIDES: Mapping[str, Setting[Any]] = MappingProxyType({})
+_scoped: contextvars.ContextVar[Mapping[str, Setting[Any]]] = contextvars.ContextVar(
+    "pallas_guard_settings", default=_NO_OVERRIDES
+)
+
+
+def configure(given: Mapping[str, Setting[Any]] | None = None) -> None:
+    """Settle every option: ``given`` (from the API), else a value pinned earlier, else the
+    environment, else the default. Raises on a bad variable before changing anything."""
+    environment = read_environment()
+    given = given or {}
+    with _process.lock:
+        previous = _process.values or {}
+        values = {}
+        for name, option in OPTIONS.items():
+            if name in given:
+                values[name] = given[name]
+            elif name in _process.pinned and name in previous:
+                values[name] = previous[name]
+            elif name in environment:
+                values[name] = _from(name, environment[name], option.env)
+            else:
+                values[name] = _from(name, option.default, "default")
+        _process.values = values
+        _process.pinned.update(given)
+
+
+def pin(name: str, setting: Setting[Any]) -> None:
+    """Set one option for the process, as ``set_policy()`` does; the environment no longer applies."""
+    configure({name: setting})
+
+
+def reset() -> None:
+    """Forget every value (tests): the next read loads the environment again."""
+    with _process.lock:
+        _process.values = None
+        _process.pinned.clear()
+
+
+def current(name: str) -> Setting[Any]:
+    """The value in effect here: the innermost scope, else the process value."""
+    scoped = _scoped.get().get(name)
+    if scoped is not None:
+        return scoped
+    values = _process.values
+    if values is None:
+        configure()  # a bad variable raises here, naming it
+        values = _process.values
+        assert values is not None
+    return values[name]
+
+
+def current_policy() -> Setting[Policy]:
+    return current("policy")
+
+
+def current_interpreter() -> Setting[Interpreter]:
+    return current("interpreter")
+
+
+def detect_races() -> bool:
+    return bool(current("detect_races").value)
+
+
+@contextmanager
+def scope(overrides: Mapping[str, Setting[Any]]) -> Iterator[None]:
+    """Override options for the current context (thread / asyncio task) inside a ``with`` block."""
+    token = _scoped.set({**_scoped.get(), **overrides})
+    try:
+        yield
+    finally:
+        _scoped.reset(token)

@@ -1,0 +1,285 @@
+"""pallas_guard at interpreter start-up: the settings table, and the autoload.
+
+PYTEST_DONT_REWRITE: pytest marks every top-level module of a distribution with a ``pytest11``
+entry point for assertion rewriting and warns about each one already imported; this one is
+imported at start-up by design and has no asserts to rewrite.
+
+Imports nothing but ``os`` and ``sys``: every Python process of an environment with the autoload
+pays for this module when a ``PALLAS_GUARD_*`` policy is set. It holds what start-up needs and
+nothing else:
+
+- :data:`OPTIONS`, the one declaration of every setting (variable, parser, accepted values,
+  default); the package builds its sources and scopes on it, the pytest plugin and the CLI read it.
+- :func:`activate`, called by the ``.pth`` line (Python < 3.15), by the PEP 829 ``.start`` entry
+  point (Python >= 3.15, where ``.pth`` import lines stop running) and by a ``sitecustomize``. When
+  the guard is wanted and every variable is valid, it registers a post-import hook that imports
+  ``pallas_guard`` (which installs the guard) when ``jax.experimental.pallas`` is imported; a bad
+  value prints one line and leaves the guard off, and an explicit ``import pallas_guard`` raises.
+"""
+
+import os
+import sys
+
+TYPE_CHECKING = False  # not `typing.TYPE_CHECKING`: typing costs start-up time
+if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping, Sequence
+    from types import ModuleType
+    from typing import Any
+
+    Callback = Callable[[ModuleType], None]
+
+POLICY_ENV = "PALLAS_GUARD_POLICY"
+"""Activates the guard (with the autoload) and sets its policy."""
+INTERPRETER_ENV = "PALLAS_GUARD_INTERPRETER"
+"""Forces one interpreter instead of the per-kernel choice."""
+DETECT_RACES_ENV = "PALLAS_GUARD_DETECT_RACES"
+"""``1``: run kernels in TPU interpret mode with race detection."""
+PALLAS_MODULE = "jax.experimental.pallas"
+
+
+class PallasGuardConfigError(ValueError):
+    """A setting (environment variable or API argument) has a value pallas_guard does not accept."""
+
+
+PallasGuardConfigError.__module__ = "pallas_guard"  # the name users import and catch
+
+
+def _shown(value: object) -> str:
+    # ascii(): a look-alike (a Cyrillic letter in 'warn') prints escaped, visibly not 'warn'.
+    return ascii(value)
+
+
+class Option:
+    """One setting: its variable, how a value is parsed, what is accepted, its default."""
+
+    __slots__ = ("accepted", "default", "env", "help", "kind", "name", "parse_word")
+
+    def __init__(  # noqa: PLR0917 - one row of the OPTIONS table, read positionally
+        self,
+        name: str,
+        env: str,
+        kind: str,
+        parse_word: "Callable[[str], Any]",
+        accepted: str,
+        default: object,
+        help: str,
+    ) -> None:
+        self.name = name
+        self.env = env
+        self.kind = kind
+        self.parse_word = parse_word  # normalised str -> value, or None when not accepted
+        self.accepted = accepted
+        self.default = default
+        self.help = help
+
+    def parse(self, value: object, source: str) -> "Any":
+        """``value`` (a str, or already a value of this option) parsed, or an error naming ``source``."""
+        if not isinstance(value, str):
+            if self.kind == "boolean" and isinstance(value, bool):
+                return value
+            raise TypeError(
+                f"{source} must be a str{' or bool' if self.kind == 'boolean' else ''}, got "
+                f"{type(value).__name__} {_shown(value)}; accepted values: {self.accepted}"
+            )
+        parsed = self.parse_word(value.strip().lower())
+        if parsed is None:
+            raise PallasGuardConfigError(
+                f"{source}={_shown(value)} is not a valid pallas_guard {self.kind}; "
+                f"accepted values (case-insensitive): {self.accepted}"
+            )
+        return parsed
+
+    def from_environment(self, environ: "Mapping[str, str] | None" = None) -> "Any":
+        """The value the variable sets, or None when it is unset or blank; raises on a bad value."""
+        raw = (os.environ if environ is None else environ).get(self.env)
+        if raw is None or not raw.strip():
+            return None
+        return self.parse(raw, self.env)
+
+
+def _choice(*words: str) -> "Callable[[str], str | None]":
+    accepted = frozenset(words)
+    return lambda word: word if word in accepted else None
+
+
+_TRUE = frozenset({"1", "true", "yes", "on", "y", "t"})
+_FALSE = frozenset({"0", "false", "no", "off", "n", "f"})
+
+
+def _boolean(word: str) -> bool | None:
+    return True if word in _TRUE else False if word in _FALSE else None
+
+
+OPTIONS = {
+    option.name: option
+    for option in (
+        Option(
+            "policy",
+            POLICY_ENV,
+            "policy",
+            _choice("interpret", "warn", "strict", "off"),
+            "'interpret', 'warn', 'strict', 'off'",
+            "warn",
+            "what happens to a Pallas kernel that would lower for the CPU without interpret=: "
+            "interpret, warn (interpret + a warning), strict (raise) or off",
+        ),
+        Option(
+            "interpreter",
+            INTERPRETER_ENV,
+            "interpreter",
+            _choice("auto", "plain", "tpu", "gpu"),
+            "'auto', 'plain', 'tpu', 'gpu'",
+            "auto",
+            "which interpreter runs those kernels: auto (chosen per kernel), plain, tpu or gpu",
+        ),
+        Option(
+            "detect_races",
+            DETECT_RACES_ENV,
+            "boolean",
+            _boolean,
+            ", ".join(sorted(_TRUE)) + " / " + ", ".join(sorted(_FALSE)) + ", or empty",
+            False,
+            "run kernels in TPU interpret mode with its race detector; a race raises PallasGuardError",
+        ),
+    )
+}
+"""Every setting, declared once: ``install()``, ``policy()``, the pytest plugin and the CLI use it."""
+
+
+def read_environment(environ: "Mapping[str, str] | None" = None) -> "dict[str, Any]":
+    """``{option name: value}`` for every variable that is set; raises on the first bad one."""
+    found: dict[str, Any] = {}
+    for name, option in OPTIONS.items():
+        value = option.from_environment(environ)
+        if value is not None:
+            found[name] = value
+    return found
+
+
+def guard_wanted(environ: "Mapping[str, str] | None" = None) -> bool:
+    """Whether the environment asks for the guard in every process (the policy variable is set)."""
+    return bool((os.environ if environ is None else environ).get(POLICY_ENV, "").strip())
+
+
+# --- the post-import hook ----------------------------------------------------------------------
+# Ours, not wrapt's: `import wrapt` costs ~100 ms (asyncio, importlib.metadata).
+
+
+class _CallbackLoader:
+    """Delegates to the real loader, then runs the callbacks once the module has executed."""
+
+    def __init__(self, loader: "Any", name: str, finder: "PostImportFinder") -> None:
+        self._loader = loader
+        self._name = name
+        self._finder = finder
+
+    def create_module(self, spec: "Any") -> "ModuleType | None":
+        create = getattr(self._loader, "create_module", None)
+        return create(spec) if create is not None else None
+
+    def exec_module(self, module: "ModuleType") -> None:
+        # Put the real loader back, so the module looks as if no hook had been there.
+        if module.__spec__ is not None:
+            module.__spec__.loader = self._loader
+        module.__loader__ = self._loader
+        self._loader.exec_module(module)
+        self._finder.fire(self._name, module)
+
+    def __getattr__(self, name: str) -> "Any":
+        return getattr(self._loader, name)
+
+
+class PostImportFinder:
+    """A ``sys.meta_path`` entry that only wraps the loader of the modules it watches."""
+
+    def __init__(self) -> None:
+        import _thread  # threading's lock; `import threading` costs more
+
+        self._callbacks: dict[str, list[Callback]] = {}
+        self._lock = _thread.allocate_lock()
+
+    def register(self, name: str, callback: "Callback") -> None:
+        """Run ``callback(module)`` after ``name`` is imported; at once if it already is."""
+        with self._lock:
+            callbacks = self._callbacks.setdefault(name, [])
+            if callback not in callbacks:
+                callbacks.append(callback)
+        module = sys.modules.get(name)
+        if module is not None:
+            callback(module)
+
+    def fire(self, name: str, module: "ModuleType") -> None:
+        with self._lock:
+            callbacks = list(self._callbacks.get(name, ()))
+        # Outside the lock, as wrapt does, so a callback that imports cannot deadlock.
+        for callback in callbacks:
+            callback(module)
+
+    def find_spec(self, fullname: str, path: "Sequence[str] | None", target: object = None) -> "Any":
+        if fullname not in self._callbacks:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)  # type: ignore[arg-type]
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _CallbackLoader(spec.loader, fullname, self)  # type: ignore[assignment]
+                return spec
+        return None
+
+    def invalidate_caches(self) -> None:
+        """Nothing cached; present because importlib.invalidate_caches() calls it on every finder."""
+
+
+def finder() -> PostImportFinder:
+    """The one finder of this process (found again on ``sys.meta_path`` after a reload)."""
+    for entry in sys.meta_path:
+        if type(entry).__name__ == "PostImportFinder" and type(entry).__module__ == __name__:
+            return entry  # type: ignore[return-value]
+    created = PostImportFinder()
+    sys.meta_path.insert(0, created)
+    return created
+
+
+# --- activation ----------------------------------------------------------------------------------
+
+_REPORTED = "_pallas_guard_startup_error"  # on sys: must outlive a reload of this module
+activated = False
+"""Whether :func:`activate` found the guard wanted and valid, and registered the hook."""
+startup_error: str | None = None
+"""The one line :func:`activate` printed for a bad value, else None."""
+
+
+def report_startup_error(error: BaseException) -> None:
+    """Print the one start-up line for a bad setting (once per process, whoever reports it)."""
+    global startup_error  # noqa: PLW0603 - read by doctor and the pytest plugin
+    line = "pallas_guard: " + " ".join(str(error).split()) + "; the guard is off in this process."
+    startup_error = line
+    # site runs a venv's .pth files twice (CPython 3.11, 3.12): print the line once.
+    if getattr(sys, _REPORTED, None) != line:
+        setattr(sys, _REPORTED, line)
+        sys.stderr.write(line + "\n")
+
+
+def _load_guard(module: "ModuleType") -> None:
+    """Post-import callback for jax.experimental.pallas: ``import pallas_guard`` installs the guard."""
+    del module
+    try:
+        import pallas_guard  # noqa: F401
+    except Exception as error:  # the user's `import jax.experimental.pallas` must not fail because of us
+        report_startup_error(error)
+
+
+def activate() -> None:
+    """Start-up entry point (``.pth`` line, ``pallas_guard_autoload.start``, ``sitecustomize``). Never raises."""
+    global activated  # noqa: PLW0603
+    if activated or not guard_wanted():
+        return
+    try:
+        read_environment()
+    except (ValueError, TypeError) as error:
+        report_startup_error(error)
+        return
+    activated = True
+    finder().register(PALLAS_MODULE, _load_guard)
