@@ -8,8 +8,8 @@ import re
 import sys
 import types
 import warnings
-from collections.abc import Mapping
-from typing import Any, NamedTuple
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any, Literal, NamedTuple
 
 from pallas_guard_autoload import DETECT_RACES_ENV, INTERPRETER_ENV, POLICY_ENV
 
@@ -31,12 +31,30 @@ def _code_location(function: Any) -> str | None:
     return f"{code.co_filename}:{code.co_firstlineno}" if code is not None else None
 
 
+def innermost_function(body: object) -> Any:
+    """The Python function behind a kernel body: through partials, decorators (``__wrapped__``,
+    jitted functions), bound methods and callable objects (their ``__call__``)."""
+    function = body
+    for _ in range(16):  # a bounded unwrap: a self-referencing __wrapped__ cannot loop
+        if isinstance(function, functools.partial):
+            function = function.func
+        elif getattr(function, "__wrapped__", None) is not None:
+            function = function.__wrapped__  # type: ignore[attr-defined]
+        elif isinstance(function, types.MethodType):
+            function = function.__func__
+        elif not hasattr(function, "__code__") and callable(function) and not isinstance(function, type):
+            call = getattr(type(function), "__call__", None)  # noqa: B004 - the class's, not an instance attribute
+            if call is None or not hasattr(call, "__code__"):
+                break
+            function = call
+        else:
+            break
+    return function
+
+
 def kernel_from_callable(kernel: object, *, entry_point: str, name: object = None) -> KernelInfo:
-    """Facts about a kernel body the user handed to an entry point (partials unwrapped)."""
-    function = kernel
-    while isinstance(function, functools.partial):
-        function = function.func
-    function = getattr(function, "__wrapped__", function)
+    """Facts about a kernel body the user handed to an entry point."""
+    function = innermost_function(kernel)
     label = getattr(function, "__qualname__", None) or getattr(function, "__name__", None)
     if isinstance(name, str) and name:
         label = f"{name} ({label})" if label and label != name else name
@@ -66,35 +84,96 @@ def kernel_from_params(params: Mapping[str, Any], *, entry_point: str) -> Kernel
 # --- call sites ---------------------------------------------------------------------------------
 
 
+class CallSite(NamedTuple):
+    """Where the user called a kernel: their own line, and the library line in between, if any."""
+
+    user: str | None
+    """``file:line`` of the first frame in the user's own code (else the innermost non-jax frame)."""
+    via: str | None = None
+    """``file:line`` of the innermost library frame, when a library called the entry point."""
+
+    def __str__(self) -> str:
+        return (self.user or "?") + (f" (via {self.via})" if self.via else "")
+
+    @property
+    def is_users(self) -> bool:
+        """Whether ``user`` is a frame of the user's own code (not a fallback to a library frame)."""
+        return self.user is not None and frame_kind(self.user.rpartition(":")[0]) == "user"
+
+
+NOWHERE = CallSite(None)
+
+
 @functools.lru_cache(maxsize=1)
 def _internal_prefixes() -> tuple[str, ...]:
-    prefixes = [os.path.dirname(os.path.abspath(__file__)) + os.sep]
-    for name in ("jax", "jaxlib", "wrapt"):
-        module = sys.modules.get(name)
-        module_file = getattr(module, "__file__", None)
+    prefixes = [os.path.dirname(os.path.abspath(__file__)) + os.sep, "<frozen"]
+    for name in ("jax", "jaxlib", "wrapt", "pallas_guard_autoload"):
+        module_file = getattr(sys.modules.get(name), "__file__", None)
         if module_file:
-            prefixes.append(os.path.dirname(os.path.abspath(module_file)) + os.sep)
+            # A package's directory; a single-file module's own file.
+            package = os.path.basename(module_file) == "__init__.py"
+            prefixes.append(os.path.dirname(os.path.abspath(module_file)) + os.sep if package else module_file)
     return tuple(prefixes)
 
 
-def user_call_site() -> str | None:
-    """``file:line`` of the innermost frame that is not jax, jaxlib, wrapt or pallas_guard."""
-    prefixes = _internal_prefixes()
-    frame: types.FrameType | None = sys._getframe(1)  # noqa: SLF001 - cheaper than inspect.stack(), which reads source files
+@functools.lru_cache(maxsize=1)
+def _installed_prefixes() -> tuple[str, ...]:
+    """Where installed distributions and the standard library live: not the user's code."""
+    import site
+    import sysconfig
+
+    paths = sysconfig.get_paths()
+    directories = [paths.get(key) for key in ("purelib", "platlib", "stdlib", "platstdlib")]
+    directories += list(getattr(site, "getsitepackages", list)())
+    return tuple(os.path.abspath(d) + os.sep for d in directories if d)
+
+
+_INSTALLED_MARKERS = (f"{os.sep}site-packages{os.sep}", f"{os.sep}dist-packages{os.sep}")
+
+
+@functools.lru_cache(maxsize=4096)
+def frame_kind(filename: str) -> Literal["internal", "library", "user"]:
+    """``internal`` (jax, pallas_guard, wrapt), ``library`` (an installed distribution or the
+    standard library) or ``user`` (everything else: the user's own code)."""
+    if filename.startswith(_internal_prefixes()):
+        return "internal"
+    if any(marker in filename for marker in _INSTALLED_MARKERS):
+        return "library"
+    if os.path.abspath(filename).startswith(_installed_prefixes()):
+        return "library"
+    return "user"
+
+
+def call_site_of(frames: Iterable[tuple[str, int]]) -> CallSite:
+    """The call site from ``(file, line)`` frames, innermost first: the first user frame, with the
+    innermost library frame beside it; the innermost non-internal frame when none is the user's."""
+    via = None
+    for filename, line in frames:
+        kind = frame_kind(filename)
+        if kind == "user":
+            return CallSite(f"{filename}:{line}", via)
+        if kind == "library" and via is None:
+            via = f"{filename}:{line}"
+    return CallSite(via) if via is not None else NOWHERE
+
+
+def _python_frames(frame: types.FrameType | None) -> Iterator[tuple[str, int]]:
     while frame is not None:
-        filename = frame.f_code.co_filename
-        if not filename.startswith(prefixes) and not filename.startswith("<frozen"):
-            return f"{filename}:{frame.f_lineno}"
+        yield frame.f_code.co_filename, frame.f_lineno
         frame = frame.f_back
-    return None
+
+
+def user_call_site() -> CallSite:
+    """The call site on the current Python stack."""
+    return call_site_of(_python_frames(sys._getframe(1)))  # noqa: SLF001 - inspect.stack() reads source files
 
 
 # --- messages -----------------------------------------------------------------------------------
 
 
-def _describe(kernel: KernelInfo, call_site: str | None) -> str:
+def _describe(kernel: KernelInfo, call_site: CallSite) -> str:
     defined = f" (defined at {kernel.defined_at})" if kernel.defined_at else ""
-    called = f", called at {call_site}," if call_site else ""
+    called = f", called at {call_site}," if call_site.user else ""
     return f"Pallas kernel {kernel.name!r}{defined}{called} via {kernel.entry_point}"
 
 
@@ -102,7 +181,7 @@ def message(
     *,
     refused: bool,
     kernel: KernelInfo,
-    call_site: str | None,
+    call_site: CallSite,
     target: Target,
     policy: Setting[Policy],
     interpreter: str | None = None,
@@ -147,19 +226,23 @@ def message(
     lines = [head, "Why the target is the CPU: " + "; ".join(target.evidence) + "."]
     lines.extend(accelerator_evidence())
     lines.append(f"Policy {policy.value.value!r} came from {policy.source}.")
+    # interpret= can only be passed where pallas_call is called: not inside a library.
+    yourself = (
+        f"the call is made by the library at {call_site.via}, so set the policy rather than interpret="
+        if call_site.via
+        else "or pass interpret=True to the kernel yourself"
+    )
     if refused:
         lines.append(
-            f"To fix: set {POLICY_ENV}=interpret (or warn) to run it interpreted; or pass "
-            "interpret=True to the kernel yourself; or run where a GPU/TPU backend is available."
+            f"To fix: set {POLICY_ENV}=interpret (or warn) to run it interpreted ({yourself}); "
+            "or run where a GPU/TPU backend is available."
         )
     else:
-        lines.append(
-            f"To silence: {POLICY_ENV}=interpret; to fail instead: {POLICY_ENV}=strict; or pass interpret= yourself."
-        )
+        lines.append(f"To silence: {POLICY_ENV}=interpret; to fail instead: {POLICY_ENV}=strict ({yourself}).")
     return "\n".join(lines)
 
 
-def refusal(*, kernel: KernelInfo, call_site: str | None, target: Target, policy: Setting[Policy]) -> PallasGuardError:
+def refusal(*, kernel: KernelInfo, call_site: CallSite, target: Target, policy: Setting[Policy]) -> PallasGuardError:
     return PallasGuardError(message(refused=True, kernel=kernel, call_site=call_site, target=target, policy=policy))
 
 
@@ -167,7 +250,7 @@ def interpreter_failure(
     error: BaseException,
     *,
     kernel: KernelInfo,
-    call_site: str | None,
+    call_site: CallSite,
     target: Target,
     policy: Setting[Policy],
     interpreter: str,
@@ -192,7 +275,41 @@ def interpreter_failure(
     return PallasGuardError(f"{text}\nOriginal error: {type(error).__name__}: {error}")
 
 
-def race_error(*, kernel: KernelInfo, call_site: str | None) -> PallasGuardError:
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else '(no message)'}"
+
+
+def no_interpreter(
+    failures: list[tuple[str, BaseException]],
+    *,
+    kernel: KernelInfo,
+    call_site: CallSite,
+    target: Target,
+    why: str,
+) -> PallasGuardError:
+    """No candidate interpreter runs ``kernel``: each one tried, with the first line of its error."""
+    tried = [f"  - {_interpreters.describe_interpreter(name)}: {_first_line(error)}" for name, error in failures]
+    distinct = len({_first_line(error) for _, error in failures}) == len(failures)
+    verdict = (
+        "Each interpreter failed differently: this looks like a gap in JAX's interpreters for this kernel, "
+        "not a bug in the kernel (report it to JAX, or to the kernel's authors)."
+        if distinct
+        else "Some interpreters failed the same way: the kernel itself may be at fault."
+    )
+    lines = [
+        f"pallas_guard: no interpreter could run {_describe(kernel, call_site)} on the CPU. Tried, in order ({why}):",
+        *tried,
+        verdict,
+        "Why the target is the CPU: " + "; ".join(target.evidence) + ".",
+        *accelerator_evidence(),
+        f"To force one interpreter: {INTERPRETER_ENV}=plain|tpu|gpu (or pallas_guard.policy(interpreter=...)); "
+        "to skip this kernel on the CPU, run it where a GPU/TPU backend is available.",
+    ]
+    return PallasGuardError("\n".join(lines))
+
+
+def race_error(*, kernel: KernelInfo, call_site: CallSite) -> PallasGuardError:
     text = message(
         refused=False,
         kernel=kernel,
@@ -205,7 +322,7 @@ def race_error(*, kernel: KernelInfo, call_site: str | None) -> PallasGuardError
     return PallasGuardError(text)
 
 
-def check_races(out: Any, *, kernel: KernelInfo, call_site: str | None) -> None:
+def check_races(out: Any, *, kernel: KernelInfo, call_site: CallSite) -> None:
     """Raise ``PallasGuardError`` naming ``kernel`` if TPU interpret mode found a race running it.
 
     Run eagerly, the kernel has finished when this returns and the error is raised here; traced
@@ -236,9 +353,7 @@ def check_races(out: Any, *, kernel: KernelInfo, call_site: str | None) -> None:
 _registries: dict[str, dict[Any, Any]] = {}
 
 
-def warn(
-    *, kernel: KernelInfo, call_site: str | None, target: Target, policy: Setting[Policy], interpreter: str
-) -> bool:
+def warn(*, kernel: KernelInfo, call_site: CallSite, target: Target, policy: Setting[Policy], interpreter: str) -> bool:
     """Emit a ``PallasGuardWarning`` attributed to the user's line; repetition is the filters' business."""
     text = message(
         refused=False,
@@ -248,7 +363,7 @@ def warn(
         policy=policy,
         interpreter=interpreter,
     )
-    filename, _, line = (call_site or "").rpartition(":")
+    filename, _, line = (call_site.user or "").rpartition(":")
     if filename and line.isdigit():
         # warn_explicit puts the warning on the user's line even from inside a lowering rule,
         # where no stacklevel could reach it.

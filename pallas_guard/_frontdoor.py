@@ -1,106 +1,219 @@
-"""The front door: wrappers on the public entry points that build Pallas kernels.
+"""The front door: wrappers on the entry points that build Pallas kernels (``_entry_points``).
 
-The decision is taken when the entry point is called (``pl.pallas_call(kernel, ...)``), which is
-trace time for the usual inline use. Only what must happen at trace time happens here: refusing
-under ``strict`` before the body is traced, and choosing the TPU or Mosaic-GPU interpreter, which
-add effects while tracing. The plain interpreter is left to the lowering net, which knows the real
-target: an AOT lowering or export for cuda/tpu from this process stays byte-identical.
+A thin adapter: it gathers the situation when an entry point is called (trace time for the usual
+inline use), asks ``_plan`` what to do, and has ``_act`` carry it out. Only what must happen at
+trace time happens here: refusing under ``strict`` before the body is traced, and choosing the TPU
+or Mosaic-GPU interpreter, which add effects while tracing; where a kernel's facts leave the choice
+open, the first call verifies the candidates (a trial lowering of the kernel alone for the CPU)
+and falls back to the next one that can run it. The plain interpreter is left to the lowering net,
+which knows the real target: an AOT lowering or export for cuda/tpu stays byte-identical.
 """
 
 from __future__ import annotations
 
 import functools
 import operator
+import threading
 from collections.abc import Callable
 from typing import Any
 
-from . import _decide, _diagnostics, _internals, _interpreters, _record, _settings, _state, _target
+from . import _act, _diagnostics, _internals, _interpreters, _plan, _settings, _state, _target
+from ._entry_points import EntryPoint
 from ._enums import Policy
 from ._errors import PallasGuardError
 
-# The parameter that holds the kernel body, per entry point.
-_BODY_PARAMETER = {"pallas_call": "kernel", "pl.kernel": "body", "plgpu.kernel": "body", "pl.core_map": None}
+
+class _KernelCall:
+    """One call of an entry point; what the guard learns of the kernel is computed on demand."""
+
+    def __init__(self, entry: EntryPoint, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self.entry, self.args, self.kwargs = entry, args, kwargs
+
+    @functools.cached_property
+    def body(self) -> Any:
+        return self.entry.body(self.args, self.kwargs)
+
+    @functools.cached_property
+    def info(self) -> _diagnostics.KernelInfo:
+        if self.body is None:
+            name = self.kwargs.get("name") or f"<{self.entry.label} body>"
+            return _diagnostics.KernelInfo(str(name), None, self.entry.label)
+        return _diagnostics.kernel_from_callable(self.body, entry_point=self.entry.label, name=self.kwargs.get("name"))
+
+    @functools.cached_property
+    def facts(self) -> _interpreters.KernelFacts:
+        mesh = self.entry.mesh(self.args, self.kwargs)
+        return _interpreters.kernel_facts(self.entry.label, self.body, self.kwargs, mesh=mesh)
+
+    def candidates(self) -> _interpreters.Candidates:
+        chosen = _interpreters.candidates(
+            _settings.current_interpreter(),
+            self.facts,
+            detect_races=_settings.detect_races(),
+            inside_lowering=_internals.inside_lowering(),
+        )
+        # An interpreter this jax lacks is no candidate.
+        names = tuple(name for name in chosen.names if _interpreters.available(name)) or ("plain",)
+        return chosen._replace(names=names, verify=chosen.verify and len(names) > 1)
 
 
-def _kernel_info(entry_point: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _diagnostics.KernelInfo:
-    parameter = _BODY_PARAMETER.get(entry_point)
-    body = args[0] if args and parameter else kwargs.get(parameter or "")
-    if body is None or not callable(body):
-        name = kwargs.get("name") or f"<{entry_point} body>"
-        return _diagnostics.KernelInfo(str(name), None, entry_point)
-    return _diagnostics.kernel_from_callable(body, entry_point=entry_point, name=kwargs.get("name"))
+# --- verified choices, per kernel ------------------------------------------------------------------
+
+_settled_lock = threading.Lock()
+_settled: dict[tuple[Any, ...], tuple[str, tuple[str, ...]]] = {}
+"""(entry point, kernel code, candidates, argument shapes) -> (interpreter, what was tried)."""
+_MAX_SETTLED = 4096
 
 
-def _strict_fallback(
-    entry_point: str, verdict: _decide.Verdict, choice: _interpreters.Choice | None, installation: Any
-) -> tuple[_decide.Verdict, _target.Target, _settings.Setting[Policy]] | None:
-    """Where the lowering net is missing, what would be left to it is refused here instead.
+def _shape_key(call_args: tuple[Any, ...], call_kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    import jax
 
-    Deferring to a net that is not there would be the guard silently doing nothing. An unknown
-    target is taken to be the CPU only when no accelerator plugin is installed (so JAX can only
-    use the CPU); otherwise the kernel is left to JAX, which may well run it on its accelerator.
-    """
-    gap = installation.lowering_net_gap(entry_point)
-    if gap is None:
-        return None
-    if verdict.action is _decide.Action.DEFER:
-        if _target.installed_accelerator_plugins():
-            return None
-        target = _target.Target("cpu", ("the target is not configured and no accelerator plugin is installed",))
-    elif verdict.action is _decide.Action.INTERPRET and choice is not None and choice.value is None:
-        target = _target.detect()  # plain, which only the net could have substituted
-    else:
-        return None
-    policy = _settings.current_policy()
-    reason = f"falls back to strict: {gap}"
-    strict = _settings.Setting(
-        Policy.STRICT,
-        f"pallas_guard's fallback: {gap}, and policy {policy.value.value!r} (from {policy.source}) needs it; "
-        "pass interpret=True yourself, or use a jax version pallas_guard supports",
-    )
-    return _decide.Verdict(_decide.Action.REFUSE, False, reason), target, strict
+    leaves = jax.tree_util.tree_leaves((call_args, call_kwargs))
+    return tuple((getattr(x, "shape", None), str(getattr(x, "dtype", type(x).__name__))) for x in leaves)
 
 
-def _body(entry_point: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    parameter = _BODY_PARAMETER.get(entry_point)
-    if not parameter:
-        return None
-    return args[0] if args else kwargs.get(parameter)
+def _trial_lowering(
+    kernel_callable: Callable[..., Any], call_args: tuple[Any, ...], call_kwargs: dict[str, Any]
+) -> None:
+    """Lower the kernel alone for the CPU (the configured target) with these argument shapes."""
+    import jax
+
+    def spec(x: Any) -> Any:
+        shape, dtype = getattr(x, "shape", None), getattr(x, "dtype", None)
+        if shape is None or dtype is None:
+            return x
+        return jax.ShapeDtypeStruct(shape, dtype)  # type: ignore[no-untyped-call]
+
+    args, kwargs = jax.tree_util.tree_map(spec, (call_args, call_kwargs))
+    with _state.verification():
+        jax.jit(lambda a, k: kernel_callable(*a, **k)).lower(args, kwargs)
 
 
-def _kernel_facts(entry_point: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _interpreters.KernelFacts:
-    mesh = args[0] if entry_point == "pl.core_map" and args else None
-    return _interpreters.kernel_facts(entry_point, _body(entry_point, args, kwargs), kwargs, mesh=mesh)
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else '(no message)'}"
 
 
 class _Guarded:
-    """What the front door knows about one interpreted kernel, to explain its failures and races."""
+    """One interpreted kernel: how to build it for each candidate, which one runs it, and its
+    failures explained."""
 
-    def __init__(
+    def __init__(  # noqa: PLR0917
         self,
-        *,
-        entry_point: str,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        choice: _interpreters.Choice,
-        facts: _interpreters.KernelFacts,
+        call: _KernelCall,
+        wrapped: Callable[..., Any],
+        plan: _plan.Plan,
         target: _target.Target,
         policy: _settings.Setting[Policy],
+        call_site: _diagnostics.CallSite,
     ) -> None:
-        self._entry_point, self._args, self._kwargs = entry_point, args, kwargs
-        self.choice, self.facts, self.target, self.policy = choice, facts, target, policy
+        assert plan.candidates is not None
+        self.call, self.wrapped, self.plan, self.target, self.policy = call, wrapped, plan, target, policy
+        self.candidates = plan.candidates
+        self.call_site = call_site
+        self._built: dict[str, Any] = {}
+        self._values: dict[str, Any] = {}
+        self._settled: dict[tuple[Any, ...], str] = {}
+        self._lock = threading.Lock()
 
-    # Only read when something is injected, warned, recorded or explained: the plain-interpreter
-    # path (the common one) does no stack walk for them.
-    @functools.cached_property
-    def kernel(self) -> _diagnostics.KernelInfo:
-        return _kernel_info(self._entry_point, self._args, self._kwargs)
+    # --- building ----------------------------------------------------------------------------------
 
-    @functools.cached_property
-    def call_site(self) -> str | None:
-        return _diagnostics.user_call_site()
+    def build(self, name: str, *, explicit: bool = False) -> Any:
+        """What the entry point returns with interpreter ``name`` (``explicit``: plain as
+        ``interpret=True``, for a trial the net stays out of; otherwise plain is left to the net)."""
+        if not explicit and name in self._built:
+            return self._built[name]
+        value = _interpreters.params(name, self.candidates) if explicit else self.value(name)
+        kwargs = dict(self.call.kwargs)
+        if value is not None:
+            kwargs["interpret"] = value
+        elif explicit:
+            kwargs["interpret"] = True
+        built = self.run(self.wrapped, name, *self.call.args, **kwargs)
+        if not explicit:
+            self._built[name] = built
+        return built
 
-    def run(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    def value(self, name: str) -> Any:
+        """The ``interpret=`` value this kernel runs with in interpreter ``name`` (one object each,
+        so the net recognises what the front door injected)."""
+        with self._lock:
+            if name not in self._values:
+                self._values[name] = _interpreters.params(name, self.candidates)
+            return self._values[name]
+
+    def commit(self, name: str, tried: tuple[str, ...] = ()) -> None:
+        """Carry the plan out for interpreter ``name``: warn and record here when the front door
+        injects it; plain is the net's (it warns and records at lowering, with ``tried``)."""
+        value = self.value(name)
+        if value is None:
+            _state.note_verified(self.call.info.defined_at, tried)
+            return
+        _state.mark_injected(value)
+        _act.carry_out(
+            self.plan,
+            layer="front door",
+            kernel=self.call.info,
+            call_site=self.call_site,
+            target=self.target,
+            policy=self.policy,
+            interpreter=name,
+            tried=tried,
+        )
+
+    def first(self) -> Any:
+        """What the entry point returns to the caller."""
+        name = self.candidates.names[0]
+        if not self.candidates.verify:
+            self.commit(name)
+        built = self.build(name)
+        return self.wrap_kernel(built) if self.call.entry.returns_kernel(self.call.args, self.call.kwargs) else built
+
+    # --- choosing ----------------------------------------------------------------------------------
+
+    def settle(self, call_args: tuple[Any, ...], call_kwargs: dict[str, Any]) -> str:
+        """The interpreter that runs the kernel with these arguments: the first candidate whose
+        trial lowering succeeds (once per kernel and shapes)."""
+        shapes = _shape_key(call_args, call_kwargs)
+        with self._lock:
+            if shapes in self._settled:
+                return self._settled[shapes]
+        code = getattr(_diagnostics.innermost_function(self.call.body), "__code__", None) or id(self.call.body)
+        key = (self.call.entry.label, code, self.candidates.names, shapes)
+        with _settled_lock:
+            known = _settled.get(key)
+        if known is None:
+            known = self._verify(call_args, call_kwargs)
+            with _settled_lock:
+                if len(_settled) < _MAX_SETTLED:
+                    _settled[key] = known
+        name, tried = known
+        self.commit(name, tried)
+        with self._lock:
+            self._settled[shapes] = name
+        return name
+
+    def _verify(self, call_args: tuple[Any, ...], call_kwargs: dict[str, Any]) -> tuple[str, tuple[str, ...]]:
+        failures: list[tuple[str, BaseException]] = []
+        for name in self.candidates.names:
+            try:
+                _trial_lowering(self.build(name, explicit=True), call_args, call_kwargs)
+            except Exception as error:
+                failures.append((name, error))
+                continue
+            tried = (*(f"{n}: failed ({_first_line(e)})" for n, e in failures), f"{name}: ok")
+            return name, tried
+        if len({_first_line(error) for _, error in failures}) == 1:
+            # Every interpreter failed the same way: the kernel's own error (a shape mismatch, a bad
+            # index). The real call runs with the first candidate and raises it unchanged.
+            return self.candidates.names[0], tuple(f"{n}: failed ({_first_line(e)})" for n, e in failures)
+        raise _diagnostics.no_interpreter(
+            failures, kernel=self.call.info, call_site=self.call_site, target=self.target, why=self.candidates.reason
+        ) from failures[0][1]
+
+    # --- running -----------------------------------------------------------------------------------
+
+    def run(self, function: Callable[..., Any], interpreter: str, *args: Any, **kwargs: Any) -> Any:
         """Call ``function``; a failure the guard can attribute to the CPU becomes PallasGuardError."""
         try:
             return function(*args, **kwargs)
@@ -109,24 +222,21 @@ class _Guarded:
         except Exception as error:
             failure = _diagnostics.interpreter_failure(
                 error,
-                kernel=self.kernel,
+                kernel=self.call.info,
                 call_site=self.call_site,
                 target=self.target,
                 policy=self.policy,
-                interpreter=self.choice.name,
-                family=self.facts.family,
-                why=self.choice.reason,
+                interpreter=interpreter,
+                family=self.call.facts.family,
+                why=self.candidates.reason,
             )
             if failure is None:
                 raise
             raise failure from error
 
     def wrap_kernel(self, kernel_callable: Any) -> Any:
-        """The callable an entry point returned, with failures explained and races checked.
-
-        A wrapt proxy, not a plain function: what JAX returned keeps its attributes
-        (``.lower``, ``.trace`` of a jitted kernel) and its identity-free behaviour otherwise.
-        """
+        """The callable an entry point returned, with the choice settled on its first call,
+        failures explained and races checked (a proxy: it keeps what JAX returned's attributes)."""
         if not callable(kernel_callable):
             return kernel_callable
 
@@ -134,15 +244,19 @@ class _Guarded:
             wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
         ) -> Any:
             del instance
-            out = self.run(wrapped, *args, **kwargs)
-            if self.choice.detect_races:
-                _diagnostics.check_races(out, kernel=self.kernel, call_site=self.call_site)
+            name = self.candidates.names[0]
+            if self.candidates.verify:
+                name = self.settle(args, kwargs)
+                wrapped = self.build(name)
+            out = self.run(wrapped, name, *args, **kwargs)
+            if self.candidates.detect_races:
+                _diagnostics.check_races(out, kernel=self.call.info, call_site=self.call_site)
             return out
 
         return _kernel_wrapper_class()(kernel_callable, pallas_guard_kernel)
 
 
-def wrap_entry_point(original: Callable[..., Any], entry_point: str, installation: Any) -> Any:
+def wrap_entry_point(original: Callable[..., Any], entry: EntryPoint, installation: Any) -> Any:
     """The wrapper that replaces ``original``; it acts only while ``installation`` is active."""
 
     def pallas_guard_front_door(
@@ -150,88 +264,47 @@ def wrap_entry_point(original: Callable[..., Any], entry_point: str, installatio
     ) -> Any:
         del instance
         interpret = kwargs.get("interpret", False)
-        if interpret:
-            return wrapped(*args, **kwargs)
         policy = _settings.current_policy()
-        if policy.value is Policy.OFF:
-            return wrapped(*args, **kwargs)
-        target = _target.detect()
-        verdict = _decide.decide(
-            policy=policy.value,
-            platform=target.platform,
+        target = _target.detect() if not interpret else _target.UNKNOWN
+        call = _KernelCall(entry, args, kwargs)
+        situation = _plan.Situation(
+            "front door",
+            policy.value,
+            target.platform,
             interpret=interpret,
             forced_by_jax=_internals.forced_interpret_value(),
+            inside_export=_target.inside_export(),
+            net_gap=installation.lowering_net_gap(entry),
+            accelerator_plugins=bool(_target.installed_accelerator_plugins()),
+            candidates=call.candidates,
         )
-        facts = choice = None
-        if verdict.action is _decide.Action.INTERPRET:
-            facts = _kernel_facts(entry_point, args, kwargs)
-            choice = _interpreters.choose(
-                _settings.current_interpreter(),
-                facts,
-                detect_races=_settings.detect_races(),
-                inside_lowering=_internals.inside_lowering(),
-            )
-        shown_policy = policy
-        fallback = _strict_fallback(entry_point, verdict, choice, installation)
-        if fallback is not None:
-            verdict, target, shown_policy = fallback
-        if verdict.action is _decide.Action.REFUSE:
-            if _target.inside_export():
-                return wrapped(*args, **kwargs)  # the export's platforms decide, at lowering
-            kernel = _kernel_info(entry_point, args, kwargs)
-            call_site = _diagnostics.user_call_site()
-            _record.note(
-                kernel,
-                called_at=call_site,
-                platforms=(target.platform or "?",),
-                policy=policy.value,
-                action="refused",
-                interpreter=None,
-                reason=verdict.reason,
+        plan = _plan.plan(situation)
+        if plan.action in (_plan.Action.UNTOUCHED, _plan.Action.DEFER):
+            return wrapped(*args, **kwargs)
+        call_site = _diagnostics.user_call_site()
+        if plan.action is _plan.Action.REFUSE:
+            _act.carry_out(
+                plan,
                 layer="front door",
-            )
-            raise _diagnostics.refusal(kernel=kernel, call_site=call_site, target=target, policy=shown_policy)
-        if verdict.action is _decide.Action.INTERPRET and choice is not None and facts is not None:
-            guarded = _Guarded(
-                entry_point=entry_point,
-                args=args,
-                kwargs=kwargs,
-                choice=choice,
-                facts=facts,
-                target=target,
+                kernel=call.info,
+                call_site=call_site,
+                target=_fallback(target, plan),
                 policy=policy,
             )
-            if choice.value is not None and not _target.inside_export():
-                kernel, call_site = guarded.kernel, guarded.call_site
-                warned = verdict.warn and _diagnostics.warn(
-                    kernel=kernel, call_site=call_site, target=target, policy=policy, interpreter=choice.name
-                )
-                _state.mark_injected(choice.value)
-                _record.note(
-                    kernel,
-                    called_at=call_site,
-                    platforms=(target.platform or "?",),
-                    policy=policy.value,
-                    action="interpreted",
-                    interpreter=choice.name,
-                    reason=f"{verdict.reason}; {choice.reason}",
-                    layer="front door",
-                    warned=warned,
-                )
-                kwargs = {**kwargs, "interpret": choice.value}
-            result = guarded.run(wrapped, *args, **kwargs)
-            # The kernel callable (tracing the body, eager runs); decorator forms are left alone.
-            body_given = entry_point != "pl.core_map" and callable(_body(entry_point, args, kwargs))
-            if entry_point == "pallas_call" or body_given:
-                return guarded.wrap_kernel(result)
-            return result
-        return wrapped(*args, **kwargs)
+        return _Guarded(call, wrapped, plan, target, policy, call_site).first()
 
-    pallas_guard_front_door.__qualname__ = f"pallas_guard_front_door[{entry_point}]"
+    pallas_guard_front_door.__qualname__ = f"pallas_guard_front_door[{entry.label}]"
     wrapper = _entry_point_wrapper_class()(original, pallas_guard_front_door, installation.is_active)
     # wrapt keeps `_self_`-prefixed attributes on the proxy itself: our marker for idempotence.
     wrapper._self_pallas_guard = True  # noqa: SLF001
     return wrapper
+
+
+def _fallback(target: _target.Target, plan: _plan.Plan) -> _target.Target:
+    """The target a refusal names: an unknown one is taken as the CPU when the plan fell back."""
+    if target.platform is None and plan.fallback is not None:
+        return _target.Target("cpu", ("the target is not configured and no accelerator plugin is installed",))
+    return target
 
 
 @functools.cache
@@ -258,8 +331,8 @@ def _kernel_wrapper_class() -> type:
 
         def __reduce_ex__(self, protocol: object) -> tuple[Any, ...]:
             # itemgetter(0)((x,)) is x: the wrapped callable is pickled (by value or by reference,
-            # as pickle or cloudpickle would without the guard) and nothing of pallas_guard is needed
-            # to load it.
+            # as pickle or cloudpickle would without the guard) and nothing of pallas_guard is
+            # needed to load it.
             return operator.itemgetter(0), ((self.__wrapped__,),)
 
     return KernelWrapper

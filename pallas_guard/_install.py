@@ -13,16 +13,8 @@ from typing import Any
 import pallas_guard_autoload
 
 from . import _settings
+from ._entry_points import ENTRY_POINTS, MODULES, PALLAS_MODULE, EntryPoint
 from ._enums import Interpreter, Policy
-
-PALLAS_MODULE = pallas_guard_autoload.PALLAS_MODULE
-MOSAIC_GPU_MODULE = "jax.experimental.pallas.mosaic_gpu"
-
-# (module attribute, entry-point label) patched when each module is imported.
-_ENTRY_POINTS = {
-    PALLAS_MODULE: (("pallas_call", "pallas_call"), ("kernel", "pl.kernel"), ("core_map", "pl.core_map")),
-    MOSAIC_GPU_MODULE: (("kernel", "plgpu.kernel"),),
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,9 +62,9 @@ class Installation:
     def is_active(self) -> bool:
         return self.active
 
-    def lowering_net_gap(self, entry_point: str) -> str | None:
-        """Why no CPU lowering net catches kernels built by ``entry_point``; None when one does."""
-        net = "mpmd_map" if entry_point != "pallas_call" and self.routes_via_mpmd else "pallas_call"
+    def lowering_net_gap(self, entry: EntryPoint) -> str | None:
+        """Why no CPU lowering net catches kernels built by ``entry``; None when one does."""
+        net = "mpmd_map" if entry.lowers_through_mpmd and self.routes_via_mpmd else "pallas_call"
         return self.net_gaps.get(net)
 
     # --- the lifecycle -------------------------------------------------------------------------
@@ -84,7 +76,7 @@ class Installation:
             self.failure = None
             self.active = True
         finder = pallas_guard_autoload.finder()
-        for module_name in _ENTRY_POINTS:
+        for module_name in MODULES:
             finder.register(module_name, self._on_import)
 
     def uninstall(self) -> None:
@@ -113,8 +105,9 @@ class Installation:
                     from ._internals import check_tested_range
 
                     check_tested_range()
-                for attribute, entry_point in _ENTRY_POINTS.get(module.__name__, ()):
-                    self._wrap_entry_point(module, attribute, entry_point)
+                for entry in ENTRY_POINTS:
+                    if entry.module == module.__name__:
+                        self._wrap_entry_point(module, entry)
                 self._install_lowering_net()
             except Exception as error:  # the user's import must not fail because of us
                 self.failure = f"{type(error).__name__}: {error}"
@@ -134,7 +127,8 @@ class Installation:
 
     # --- what is installed -----------------------------------------------------------------------
 
-    def _wrap_entry_point(self, module: ModuleType, attribute: str, entry_point: str) -> None:
+    def _wrap_entry_point(self, module: ModuleType, entry: EntryPoint) -> None:
+        attribute = entry.attribute
         # vars(): an attribute served by a module __getattr__ (pl.core_map from jax 0.11.2, with its
         # deprecation warning) is not patched; the lowering net covers it.
         original = vars(module).get(attribute)
@@ -142,7 +136,7 @@ class Installation:
             return
         from ._frontdoor import wrap_entry_point
 
-        wrapper = wrap_entry_point(original, entry_point, self)
+        wrapper = wrap_entry_point(original, entry, self)
         owners = [module]
         # Also patch the defining module: JAX's own callers (and PallasTest) look the function up there.
         defining = sys.modules.get(getattr(original, "__module__", "") or "")

@@ -210,25 +210,26 @@ def exclude_guard_frames_from_jax_tracebacks() -> None:
         _frames_excluded = True
 
 
-def lowering_call_site(ctx: Any) -> str | None:
-    """``file:line`` of the user's call of the equation being lowered, from its traceback.
+def lowering_frames(ctx: Any) -> list[tuple[str, int]]:
+    """``(file, line)`` of the non-jax frames of the equation being lowered, innermost first.
 
-    The rule context carries it on the inline path; on the cached path JAX leaves it None but
-    sets the equation's traceback as the current source-info context.
+    The rule context carries its traceback on the inline path; on the cached path JAX leaves it
+    None but sets the equation's traceback as the current source-info context.
     """
     source_info = import_optional("jax._src.source_info_util")
     if source_info is None:
-        return None
+        return []
     traceback = getattr(ctx, "traceback", None)
     if traceback is None and hasattr(source_info, "current"):
         traceback = getattr(source_info.current(), "traceback", None)
+    if traceback is None:
+        return []
+    frames = getattr(source_info, "user_frames", None)
+    if frames is not None:
+        return [(frame.file_name, frame.start_line) for frame in frames(traceback)]
     find = getattr(source_info, "user_frame", None)
-    if traceback is None or find is None:
-        return None
-    frame = find(traceback)
-    if frame is None:
-        return None
-    return f"{frame.file_name}:{frame.start_line}"
+    frame = find(traceback) if find is not None else None
+    return [] if frame is None else [(frame.file_name, frame.start_line)]
 
 
 # --- kernel facts: which backend a kernel was written for, and interpreter state ----------------

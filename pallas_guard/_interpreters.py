@@ -25,16 +25,6 @@ from ._enums import Interpreter
 from ._settings import Setting
 
 
-class Choice(NamedTuple):
-    name: str
-    """``"plain"``, ``"tpu"`` or ``"gpu"``."""
-    value: Any
-    """The ``interpret=`` value to pass at trace time; None for plain (the net substitutes True)."""
-    reason: str
-    detect_races: bool = False
-    """TPU interpret mode with race detection: a race is reported as ``PallasGuardError``."""
-
-
 class KernelFacts(NamedTuple):
     """What the guard knows about a kernel before its body is traced."""
 
@@ -43,9 +33,28 @@ class KernelFacts(NamedTuple):
     family_evidence: str
     cross_device: str | None
     """Why the kernel needs cross-device TPU semantics, or None."""
+    core_mesh: str | None = None
+    """The TPU core mesh the kernel is mapped over (``pl.kernel``/``core_map``), or None."""
 
 
 GENERIC = KernelFacts(None, "no backend-specific compiler_params, mesh, grid spec or scratch types", None)
+
+
+class Candidates(NamedTuple):
+    """The interpreters that may run one kernel, best first, and whether to verify the first."""
+
+    names: tuple[str, ...]
+    """``"plain"``, ``"tpu"``, ``"gpu"``, in the order to try them."""
+    reason: str
+    verify: bool = False
+    """The facts are ambiguous: check the first candidate (a trial lowering) before committing."""
+    detect_races: bool = False
+    """TPU interpret mode with race detection: a race is reported as ``PallasGuardError``."""
+    eager_dmas: bool = False
+    """TPU interpret mode with eager DMA execution (cross-device kernels)."""
+
+
+PLAIN_ONLY = Candidates(("plain",), "the plain interpreter runs single-device kernels correctly and fastest")
 
 
 def tpu_params_class() -> type | None:
@@ -67,9 +76,6 @@ def gpu_params_class() -> type | None:
             ("jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call", "InterpretParams"),
         ]
     )
-
-
-PLAIN = Choice("plain", None, "the plain interpreter runs single-device kernels correctly and fastest")
 
 
 # --- kernel facts ---------------------------------------------------------------------------------
@@ -140,15 +146,16 @@ def kernel_facts(entry_point: str, body: object, kwargs: Mapping[str, Any], mesh
             family = family or _internals.backend_family(str(key))
     grid_spec = kwargs.get("grid_spec")
     scratch = [kwargs.get("scratch_shapes"), kwargs.get("scratch_types"), getattr(grid_spec, "scratch_shapes", None)]
-    candidates: list[tuple[str, object]] = [("compiler_params", p) for p in params_objects if p is not None]
-    candidates += [("mesh", mesh or kwargs.get("mesh")), ("grid_spec", grid_spec), ("backend", kwargs.get("backend"))]
+    mesh = mesh if mesh is not None else kwargs.get("mesh")
+    sources: list[tuple[str, object]] = [("compiler_params", p) for p in params_objects if p is not None]
+    sources += [("mesh", mesh), ("grid_spec", grid_spec), ("backend", kwargs.get("backend"))]
     # A scratch shape's own type may be generic (pallas core); its memory space or dtype is not.
-    candidates += [
+    sources += [
         ("scratch shapes", part)
         for leaf in _leaves(scratch)
         for part in (leaf, getattr(leaf, "memory_space", None), getattr(leaf, "dtype", None))
     ]
-    for label, obj in candidates:
+    for label, obj in sources:
         if family is not None:
             break
         found = _internals.backend_family(obj) if obj is not None else None
@@ -164,75 +171,100 @@ def kernel_facts(entry_point: str, body: object, kwargs: Mapping[str, Any], mesh
             cross_device = "it allocates a BARRIER semaphore"
         else:
             cross_device = _body_cross_device(body)
-    return KernelFacts(family, evidence or GENERIC.family_evidence, cross_device)
+    core_mesh = next(
+        (type(m).__name__ for m in _leaves(mesh) if m is not None and _internals.backend_family(m) == "mosaic_tpu"),
+        None,
+    )
+    return KernelFacts(family, evidence or GENERIC.family_evidence, cross_device, core_mesh)
 
 
-# --- the choice -----------------------------------------------------------------------------------
+# --- the choice ---------------------------------------------------------------------------------
 
 
-def _params(kind: str, **overrides: Any) -> Any | None:
-    cls = tpu_params_class() if kind == "tpu" else gpu_params_class()
-    if cls is None:
-        _internals.note_missing(
-            f"{kind.upper()} interpret params class", f"the {kind} interpreter is unavailable; using the plain one"
-        )
-        return None
-    # Only the fields this jax's class has (dma_execution_mode, on_race, ... vary by version).
-    fields = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set(overrides)
-    return cls(**{k: v for k, v in overrides.items() if k in fields})
-
-
-def _tpu_overrides(facts: KernelFacts, detect_races: bool) -> dict[str, Any]:
-    overrides: dict[str, Any] = {}
-    if facts.cross_device:
-        # With the default "on_wait" DMA execution, remote copies land late: the all-gather kernel
-        # returns NaN shards. Eager execution is what makes cross-device kernels correct.
-        overrides["dma_execution_mode"] = "eager"
-    if detect_races:
-        # "warn" (jax >= 0.12) lets the kernel finish so the guard can name it in its error.
-        overrides.update(detect_races=True, on_race="warn")
-    return overrides
-
-
-def choose(  # noqa: PLR0911, PLR0912 - one return per rule, in priority order
+def candidates(  # noqa: PLR0911 - one return per rule, in priority order
     setting: Setting[Interpreter],
     facts: KernelFacts = GENERIC,
     *,
     detect_races: bool = False,
     inside_lowering: bool = False,
-) -> Choice:
-    """The interpreter for one kernel call: the user's forced one, else by the kernel's facts."""
+) -> Candidates:
+    """The interpreters for one kernel, best first: the user's forced one, else by the kernel's facts.
+
+    The order and what is verified come from measurements on JAX's own kernels and on third-party
+    libraries (README, "How the interpreter is chosen").
+    """
     if inside_lowering:
         # Traced from another primitive's lowering rule: TPU/GPU params would need effect tokens
         # that lowering has no place for (KeyError: OrderedIOEffect); the net's plain one works.
-        return PLAIN._replace(reason="traced during lowering, where only the plain interpreter can be used")
+        return PLAIN_ONLY._replace(reason="traced during lowering, where only the plain interpreter can be used")
     forced = setting.value
     if detect_races and forced is not Interpreter.PLAIN and facts.family in (None, "mosaic_tpu"):
-        value = _params("tpu", **_tpu_overrides(facts, True))
-        if value is not None:
-            return Choice("tpu", value, f"TPU interpret mode with race detection ({DETECT_RACES_ENV}=1)", True)
-    if forced is Interpreter.TPU:
-        value = _params("tpu", **_tpu_overrides(facts, False))
-        if value is not None:
-            return Choice("tpu", value, f"interpreter 'tpu' forced by {setting.source}")
-    if forced is Interpreter.GPU:
-        value = _params("gpu")
-        if value is not None:
-            return Choice("gpu", value, f"interpreter 'gpu' forced by {setting.source}")
-    if forced is Interpreter.PLAIN:
-        return PLAIN._replace(reason=f"interpreter 'plain' forced by {setting.source}")
+        return Candidates(
+            ("tpu",),
+            f"TPU interpret mode with race detection ({DETECT_RACES_ENV}=1)",
+            detect_races=True,
+            eager_dmas=facts.cross_device is not None,
+        )
     if forced is not Interpreter.AUTO:
-        return PLAIN._replace(reason=f"interpreter {forced.value!r} is unavailable in this jax; using the plain one")
-    if facts.family == "mosaic_gpu":
-        value = _params("gpu")
-        if value is not None:
-            return Choice("gpu", value, f"a Mosaic-GPU kernel ({facts.family_evidence}): the Mosaic-GPU interpreter")
-        return PLAIN._replace(reason="a Mosaic-GPU kernel, but this jax has no Mosaic-GPU interpreter")
+        return Candidates(
+            (forced.value,),
+            f"interpreter {forced.value!r} forced by {setting.source}",
+            eager_dmas=bool(facts.cross_device),
+        )
     if facts.cross_device:
-        value = _params("tpu", **_tpu_overrides(facts, False))
-        if value is not None:
-            return Choice("tpu", value, f"needs cross-device TPU semantics ({facts.cross_device}): TPU interpret mode")
-    return PLAIN
+        return Candidates(
+            ("tpu",), f"needs cross-device TPU semantics ({facts.cross_device}): TPU interpret mode", eager_dmas=True
+        )
+    if facts.core_mesh:
+        # The plain interpreter does not bind a TPU core mesh's axes (qwix, tokamax).
+        return Candidates(
+            ("tpu", "plain"), f"mapped over a TPU core mesh ({facts.core_mesh}): TPU interpret mode first", verify=True
+        )
+    if facts.family == "mosaic_gpu":
+        return Candidates(
+            ("gpu", "plain"),
+            f"a Mosaic-GPU kernel ({facts.family_evidence}): the Mosaic-GPU interpreter first, verified",
+            verify=True,
+        )
+    if facts.family == "mosaic_tpu":
+        return Candidates(
+            ("plain", "tpu"),
+            f"a Mosaic-TPU kernel ({facts.family_evidence}): the plain interpreter first (fastest), verified",
+            verify=True,
+        )
+    return PLAIN_ONLY
+
+
+def params(name: str, chosen: Candidates) -> Any:
+    """The ``interpret=`` value that runs a kernel in interpreter ``name``; None for plain (the
+    lowering net substitutes ``True``), or when this jax lacks that interpreter."""
+    if name == "plain":
+        return None
+    cls = tpu_params_class() if name == "tpu" else gpu_params_class()
+    if cls is None:
+        _internals.note_missing(f"{name.upper()} interpret params class", f"the {name} interpreter is unavailable")
+        return None
+    overrides: dict[str, Any] = {}
+    if name == "tpu" and chosen.eager_dmas:
+        # With the default "on_wait" DMA execution, remote copies land late: the all-gather kernel
+        # returns NaN shards. Eager execution is what makes cross-device kernels correct.
+        overrides["dma_execution_mode"] = "eager"
+    if name == "tpu" and chosen.detect_races:
+        # "warn" (jax >= 0.12) lets the kernel finish so the guard can name it in its error.
+        overrides.update(detect_races=True, on_race="warn")
+    # Only the fields this jax's class has (dma_execution_mode, on_race, ... vary by version).
+    fields = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set(overrides)
+    return cls(**{k: v for k, v in overrides.items() if k in fields})
+
+
+def available(name: str) -> bool:
+    """Whether this jax has interpreter ``name`` (a missing one is reported once)."""
+    if name == "plain" or (tpu_params_class() if name == "tpu" else gpu_params_class()) is not None:
+        return True
+    _internals.note_missing(
+        f"{name.upper()} interpret params class", f"the {name} interpreter is unavailable; using the plain one"
+    )
+    return False
 
 
 # --- failures no interpreter can get past -----------------------------------------------------------

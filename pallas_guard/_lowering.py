@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from . import _decide, _diagnostics, _internals, _record, _settings, _state, _target
+from . import _act, _diagnostics, _internals, _plan, _settings, _state, _target
 
 LoweringRule = Callable[..., Any]
 
@@ -22,47 +22,38 @@ def _lowering_platforms(ctx: Any) -> tuple[str, ...]:
 
 
 def make_cpu_rule(entry_point: str, delegate: LoweringRule, installation: Any) -> LoweringRule:
-    """A CPU rule that applies the decision table, then hands over to JAX's own rule."""
+    """A CPU rule that plans for the kernel, carries the plan out, then hands over to JAX's own rule."""
 
     def pallas_guard_cpu_rule(ctx: Any, *in_nodes: Any, **params: Any) -> Any:
+        if not installation.active or _state.verifying():
+            return delegate(ctx, *in_nodes, **params)
         interpret = params.get("interpret")
-        if not installation.active:
-            return delegate(ctx, *in_nodes, **params)
         policy = _settings.current_policy()
-        verdict = _decide.decide(policy=policy.value, platform="cpu", interpret=interpret)
-        if verdict.action is _decide.Action.UNTOUCHED and _state.is_injected(interpret):
-            # The front door chose this interpreter and already recorded it.
-            return delegate(ctx, *in_nodes, **params)
-        kernel = _diagnostics.kernel_from_params(params, entry_point=entry_point)
-        # An eager call can leave the equation without user frames; then the Python stack, which
-        # lowers inside the user's call, names the line that ran it.
-        call_site = _internals.lowering_call_site(ctx) or _diagnostics.user_call_site()
-        module_platforms = _lowering_platforms(ctx)
-        target = _target.lowering_target(module_platforms)
-
-        def record(action: str, interpreter: str | None, warned: bool = False) -> None:
-            _record.note(
-                kernel,
-                called_at=call_site,
-                platforms=("cpu",),
-                policy=policy.value,
-                action=action,
-                interpreter=interpreter,
-                reason=verdict.reason,
+        situation = _plan.Situation(
+            "lowering", policy.value, "cpu", interpret=interpret, injected=_state.is_injected(interpret)
+        )
+        plan = _plan.plan(situation)
+        if plan.record or plan.action is not _plan.Action.UNTOUCHED:
+            # An eager call can leave the equation without user frames; then the Python stack, which
+            # lowers inside the user's call, names the line that ran it.
+            call_site = _diagnostics.call_site_of(_internals.lowering_frames(ctx))
+            if not call_site.is_users:
+                on_stack = _diagnostics.user_call_site()
+                if on_stack.is_users:
+                    call_site = on_stack._replace(via=on_stack.via or call_site.via)
+            kernel = _diagnostics.kernel_from_params(params, entry_point=entry_point)
+            _act.carry_out(
+                plan,
                 layer="lowering",
-                warned=warned,
+                kernel=kernel,
+                call_site=call_site,
+                target=_target.lowering_target(_lowering_platforms(ctx)),
+                policy=policy,
+                interpreter="plain" if plan.action is _plan.Action.INTERPRET else _state.interpreter_name(interpret),
+                tried=_state.verified(kernel.defined_at) if plan.action is _plan.Action.INTERPRET else (),
             )
-
-        if verdict.action is _decide.Action.REFUSE:
-            record("refused", None)
-            raise _diagnostics.refusal(kernel=kernel, call_site=call_site, target=target, policy=policy)
-        if verdict.action is _decide.Action.INTERPRET:
-            warned = verdict.warn and _diagnostics.warn(
-                kernel=kernel, call_site=call_site, target=target, policy=policy, interpreter="plain"
-            )
-            record("interpreted", "plain", warned)
+        if plan.action is _plan.Action.INTERPRET:
             return delegate(ctx, *in_nodes, **{**params, "interpret": True})
-        record("untouched", _state.interpreter_name(interpret))
         return delegate(ctx, *in_nodes, **params)
 
     pallas_guard_cpu_rule.__qualname__ = f"pallas_guard_cpu_rule[{entry_point}]"

@@ -9,7 +9,7 @@ from ._enums import Policy
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from ._diagnostics import KernelInfo
+    from ._diagnostics import CallSite, KernelInfo
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,7 +21,8 @@ class Decision:
     defined_at: str | None
     """``file:line`` where the kernel function is defined."""
     called_at: str | None
-    """``file:line`` of the user's call: the first frame outside jax and pallas_guard."""
+    """``file:line`` of the user's call: the first frame in the user's own code (not jax,
+    pallas_guard, the standard library or an installed distribution)."""
     platforms: tuple[str, ...]
     """The platform(s) the kernel was being traced or lowered for."""
     policy: Policy
@@ -34,13 +35,18 @@ class Decision:
     """``"front door"`` (trace time) or ``"lowering"`` (the CPU lowering rule)."""
     warned: bool = False
     entry_point: str = "pallas_call"
+    via: str | None = None
+    """``file:line`` of the library code that called the entry point on the user's behalf, if any."""
+    tried: tuple[str, ...] = ()
+    """The interpreters verified before the choice, in order, each with its outcome."""
 
     def __repr__(self) -> str:
         how = f" with the {self.interpreter} interpreter" if self.interpreter else ""
         platforms = ",".join(self.platforms) or "?"
         return (
             f"<Decision {self.action}{how}: kernel {self.kernel!r} ({self.entry_point}, defined at "
-            f"{self.defined_at or '?'}) called at {self.called_at or '?'} for {platforms} under policy "
+            f"{self.defined_at or '?'}) called at {self.called_at or '?'}"
+            f"{f' via {self.via}' if self.via else ''} for {platforms} under policy "
             f"{self.policy.value} [{self.layer}]: {self.reason}>"
         )
 
@@ -57,7 +63,7 @@ def add(decision: Decision) -> None:
 def note(
     kernel: KernelInfo,
     *,
-    called_at: str | None,
+    called_at: CallSite,
     platforms: tuple[str, ...],
     policy: Policy,
     action: str,
@@ -65,13 +71,14 @@ def note(
     reason: str,
     layer: str,
     warned: bool = False,
+    tried: tuple[str, ...] = (),
 ) -> None:
     """Record what a layer did with ``kernel`` (the facts the diagnostics already gathered)."""
     add(
         Decision(
             kernel=kernel.name,
             defined_at=kernel.defined_at,
-            called_at=called_at,
+            called_at=called_at.user,
             platforms=platforms,
             policy=policy,
             action=action,
@@ -80,6 +87,8 @@ def note(
             layer=layer,
             warned=warned,
             entry_point=kernel.entry_point,
+            via=called_at.via,
+            tried=tried,
         )
     )
 

@@ -19,6 +19,7 @@ from jax.experimental import pallas as pl
 
 import pallas_guard
 from pallas_guard import PallasGuardError, PallasGuardWarning, _install, _internals, _interpreters
+from pallas_guard._entry_points import BY_LABEL
 
 
 @pytest.fixture(autouse=True)
@@ -47,7 +48,7 @@ def test_missing_registries_warn_once_keep_the_front_door_and_refuse(
     assert jax.__version__ in messages[0]
     assert _install_recording("interpret") == []  # once per process, not per install
     assert pl.pallas_call is not ORIGINAL_PALLAS_CALL  # the front door still works ...
-    assert _install.status()["lowering_rules"] == []
+    assert _install.status().lowering_rules == ()
     with pytest.raises(PallasGuardError) as refused:  # ... and refuses instead of deferring to no net
         add(xs, xs)
     text = str(refused.value)
@@ -73,10 +74,10 @@ def test_missing_pallas_call_primitive(monkeypatch: pytest.MonkeyPatch, xs: jax.
     messages = _install_recording("warn")
     assert [m for m in messages if "'pallas_call_p' not found" in m], messages
     status = _install.status()
-    assert "pallas_call" in status["lowering_net_gaps"]
+    assert "pallas_call" in status.lowering_net_gaps
     if _internals.has_mpmd_module():  # the other net (pl.kernel, jax >= 0.9.1) is still installed
-        assert len(status["lowering_rules"]) == 1 and "mpmd_map" not in status["lowering_net_gaps"]
-        assert _install.lowering_net_gap("pl.kernel") is None
+        assert len(status.lowering_rules) == 1 and "mpmd_map" not in status.lowering_net_gaps
+        assert _install.installation.lowering_net_gap(BY_LABEL["pl.kernel"]) is None
     with pytest.raises(PallasGuardError, match="CPU lowering net for pallas_call is not installed"):
         add(xs, xs)
 
@@ -101,9 +102,9 @@ def test_missing_mpmd_primitive_keeps_the_pallas_call_net(monkeypatch: pytest.Mo
     monkeypatch.setattr(_internals, "mpmd_map_primitive", lambda: None)
     messages = _install_recording("interpret")
     assert [m for m in messages if "'mpmd_map_p' not found" in m], messages
-    assert _install.lowering_net_gap("pl.kernel") is not None
-    assert _install.lowering_net_gap("plgpu.kernel") is not None
-    assert _install.lowering_net_gap("pallas_call") is None
+    assert _install.installation.lowering_net_gap(BY_LABEL["pl.kernel"]) is not None
+    assert _install.installation.lowering_net_gap(BY_LABEL["plgpu.kernel"]) is not None
+    assert _install.installation.lowering_net_gap(BY_LABEL["pallas_call"]) is None
     np.testing.assert_array_equal(add(xs, xs), xs + xs)  # pallas_call is still interpreted by the net
     assert pallas_guard.decisions()[-1].layer == "lowering"
 

@@ -2,7 +2,7 @@
 
 Every call builds a fresh kernel function, so no call reuses another's traced or compiled kernel:
 what each sees is decided for it, under its own scope. Each call site is its own (compiled from a
-per-worker file name), so the warn-once bookkeeping is per worker too.
+per-worker file name), so the warnings' locations are per worker too.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pallas_guard import PallasGuardError, PallasGuardWarning, _record
 
 CALLS_PER_WORKER = 3
 
-# Compiled once per worker under its own file name: call sites (and warn-once keys) differ.
+# Compiled once per worker under its own file name: call sites differ.
 _CALLER = """
 def call(pl, jax, kernel, x):
     return jax.jit(
@@ -81,8 +81,8 @@ def _check_records(workers: dict[str, str], outcomes: dict[str, list[str]]) -> N
         assert {r.policy.value for r in mine} == {policy}
         assert {r.action for r in mine} == {action}
         assert all(r.called_at and r.called_at.startswith(f"<worker {worker}>:") for r in mine), mine
-        # Warn once per call site: the first call of a warn worker warns, the rest do not.
-        assert [r.warned for r in sorted(mine, key=lambda r: r.kernel)] == [warned] + [False] * (CALLS_PER_WORKER - 1)
+        # Every call of a warn worker warns; how often it is shown is the warnings filters' business.
+        assert [r.warned for r in mine] == [warned] * CALLS_PER_WORKER
 
 
 POLICIES = ["interpret", "warn", "strict", "off"]

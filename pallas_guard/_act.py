@@ -1,0 +1,65 @@
+"""Carrying a plan out, the same for both layers: warn, record, or refuse."""
+
+from __future__ import annotations
+
+from pallas_guard_autoload import INTERPRETER_ENV
+
+from . import _diagnostics, _record
+from ._enums import Policy
+from ._plan import Action, Layer, Plan
+from ._settings import Setting
+from ._target import Target
+
+
+def carry_out(
+    plan: Plan,
+    *,
+    layer: Layer,
+    kernel: _diagnostics.KernelInfo,
+    call_site: _diagnostics.CallSite,
+    target: Target,
+    policy: Setting[Policy],
+    interpreter: str | None = None,
+    tried: tuple[str, ...] = (),
+) -> None:
+    """Refuse (raise ``PallasGuardError``), or warn and record what ``plan`` does with ``kernel``.
+
+    ``interpreter`` is the one running it (interpreted), or the one the caller chose (untouched);
+    ``tried`` lists the interpreters verified before it, each with its outcome.
+    """
+
+    def record(action: str, warned: bool = False) -> None:
+        if plan.record:
+            reason = plan.reason if not tried else f"{plan.reason}; tried {'; '.join(tried)}"
+            _record.note(
+                kernel,
+                called_at=call_site,
+                platforms=(target.platform or "?",),
+                policy=policy.value,
+                action=action,
+                interpreter=interpreter,
+                reason=reason,
+                layer=layer,
+                warned=warned,
+                tried=tried,
+            )
+
+    if plan.action is Action.REFUSE:
+        shown = policy
+        if plan.fallback is not None:
+            shown = Setting(
+                Policy.STRICT,
+                f"pallas_guard's fallback: {plan.fallback}, and policy {policy.value.value!r} (from "
+                f"{policy.source}) needs it; pass interpret=True yourself, or use a jax version pallas_guard "
+                f"supports (or force an interpreter with {INTERPRETER_ENV}=tpu|gpu)",
+            )
+        record("refused")
+        raise _diagnostics.refusal(kernel=kernel, call_site=call_site, target=target, policy=shown)
+    if plan.action is Action.INTERPRET:
+        if plan.warn:
+            _diagnostics.warn(
+                kernel=kernel, call_site=call_site, target=target, policy=policy, interpreter=interpreter or "plain"
+            )
+        record("interpreted", plan.warn)
+        return
+    record("untouched")

@@ -1,0 +1,52 @@
+"""The JAX entry points that build Pallas kernels: one row each, read by every layer."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+PALLAS_MODULE = "jax.experimental.pallas"
+MOSAIC_GPU_MODULE = "jax.experimental.pallas.mosaic_gpu"
+
+
+class EntryPoint(NamedTuple):
+    label: str
+    """How diagnostics and records name it."""
+    module: str
+    """The public module whose attribute is wrapped (the defining module is wrapped too)."""
+    attribute: str
+    body_parameter: str | None
+    """The parameter holding the kernel body (first positional), or None (``core_map``)."""
+    mesh_parameter: str | None
+    """The parameter holding the mesh; ``"0"`` when it is the first positional argument."""
+    lowers_through_mpmd: bool
+    """Where ``jax._src.pallas.mpmd`` exists (jax >= 0.9.1), its kernels lower through ``mpmd_map_p``
+    and the ``mpmd_map`` net catches them; otherwise the ``pallas_call`` net does."""
+
+    def body(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
+        """The kernel body the caller passed, or None (a decorator form, or ``core_map``)."""
+        if self.body_parameter is None:
+            return None
+        body = args[0] if args else kwargs.get(self.body_parameter)
+        return body if callable(body) else None
+
+    def mesh(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
+        if self.mesh_parameter == "0":
+            return args[0] if args else kwargs.get("mesh")
+        return kwargs.get(self.mesh_parameter) if self.mesh_parameter else None
+
+    def returns_kernel(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
+        """Whether the call returns the kernel callable (not a decorator waiting for its body)."""
+        return self.label == "pallas_call" or self.body(args, kwargs) is not None
+
+
+PALLAS_CALL = EntryPoint("pallas_call", PALLAS_MODULE, "pallas_call", "kernel", None, False)
+ENTRY_POINTS = (
+    PALLAS_CALL,
+    EntryPoint("pl.kernel", PALLAS_MODULE, "kernel", "body", "mesh", True),
+    # A module __getattr__ serves it from jax 0.11.2 (deprecated); only a plain attribute is wrapped.
+    EntryPoint("pl.core_map", PALLAS_MODULE, "core_map", None, "0", True),
+    EntryPoint("plgpu.kernel", MOSAIC_GPU_MODULE, "kernel", "body", None, True),
+)
+BY_LABEL = {entry.label: entry for entry in ENTRY_POINTS}
+MODULES = tuple(dict.fromkeys(entry.module for entry in ENTRY_POINTS))

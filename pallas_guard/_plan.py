@@ -1,0 +1,100 @@
+"""The plan: what happens to one kernel, from its situation alone.
+
+One pure function, used by both layers (the front door at trace time, the lowering net at
+lowering) and table-tested row by row; the layers only gather the situation and carry the plan
+out (``_act``). README "How it decides" is this table.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from typing import Literal, NamedTuple
+
+from ._enums import Policy
+from ._interpreters import Candidates
+
+Layer = Literal["front door", "lowering"]
+
+
+class Action(enum.StrEnum):
+    UNTOUCHED = "untouched"
+    """Do exactly what JAX would have done."""
+    INTERPRET = "interpret"
+    """Run the kernel with an interpreter (and warn, when ``Plan.warn``)."""
+    REFUSE = "refuse"
+    """Raise ``PallasGuardError``."""
+    DEFER = "defer"
+    """Front door only: pass the call through; the lowering net, which knows the target, decides."""
+
+
+class Situation(NamedTuple):
+    layer: Layer
+    policy: Policy
+    platform: str | None
+    """Where the kernel will lower: configuration's answer at the front door (None: unknown), "cpu" at the net."""
+    interpret: object = False
+    """What the caller passed (absent counts as False)."""
+    forced_by_jax: object = None
+    """JAX's own ``force_*_interpret_mode`` value, which JAX applies itself when truthy."""
+    injected: bool = False
+    """Lowering: ``interpret`` is the value the front door chose (already recorded)."""
+    inside_export: bool = False
+    """Front door: ``jax.export`` is tracing; its platforms are chosen at lowering."""
+    net_gap: str | None = None
+    """Front door: why the lowering net that would catch this kernel is not installed."""
+    accelerator_plugins: bool = False
+    """An accelerator plugin is installed (an unknown target may then be an accelerator)."""
+    candidates: Callable[[], Candidates] | None = None
+    """Front door: the kernel's interpreters, best first; read only when the kernel is interpreted."""
+
+
+class Plan(NamedTuple):
+    action: Action
+    reason: str
+    warn: bool = False
+    record: bool = False
+    """Whether this layer records a ``Decision`` (the other layer records the rest)."""
+    candidates: Candidates | None = None
+    """``INTERPRET`` at the front door: the interpreters to use, best first."""
+    fallback: str | None = None
+    """``REFUSE`` because the lowering net is missing: why (the diagnostic says so)."""
+
+
+def plan(situation: Situation) -> Plan:  # noqa: PLR0911, PLR0912 - one return per row of the table
+    s = situation
+    at_net = s.layer == "lowering"
+    if s.interpret:
+        return Plan(Action.UNTOUCHED, f"explicit interpret={s.interpret!r}", record=at_net and not s.injected)
+    if s.forced_by_jax:
+        return Plan(Action.UNTOUCHED, f"JAX's force_*_interpret_mode is active ({s.forced_by_jax!r})", record=at_net)
+    if s.policy is Policy.OFF:
+        return Plan(Action.UNTOUCHED, "policy off: JAX's own CPU error applies", record=at_net)
+    fallback = None
+    if s.platform is None:
+        if s.net_gap is None or s.accelerator_plugins:
+            return Plan(Action.DEFER, "target unknown at trace time; decided at lowering")
+        # Deferring to a net that is not there would be the guard silently doing nothing; with no
+        # accelerator plugin installed JAX can only use the CPU.
+        fallback = f"{s.net_gap}, and the target is not configured while no accelerator plugin is installed"
+    elif s.platform != "cpu":
+        return Plan(Action.UNTOUCHED, f"target {s.platform!r} is not the CPU")
+    if fallback is not None:
+        return Plan(Action.REFUSE, f"falls back to strict: {fallback}", record=True, fallback=fallback)
+    if s.policy is Policy.STRICT:
+        if s.inside_export:
+            return Plan(Action.DEFER, "inside jax.export: the export's platforms decide, at lowering")
+        return Plan(Action.REFUSE, "policy strict: no interpreter without interpret=", record=True)
+    reason = f"policy {s.policy.value}: target is the CPU"
+    warn = s.policy is Policy.WARN
+    if at_net:
+        return Plan(Action.INTERPRET, reason, warn=warn, record=True, candidates=None)
+    if s.inside_export:
+        return Plan(Action.DEFER, "inside jax.export: the export's platforms decide, at lowering")
+    assert s.candidates is not None, "the front door passes the kernel's candidates"
+    candidates = s.candidates()
+    if candidates.names == ("plain",) and not candidates.verify:
+        if s.net_gap is not None:
+            return Plan(Action.REFUSE, f"falls back to strict: {s.net_gap}", record=True, fallback=s.net_gap)
+        return Plan(Action.DEFER, f"{reason}; the plain interpreter, substituted by the lowering net")
+    return Plan(Action.INTERPRET, reason, warn=warn, record=True, candidates=candidates)
