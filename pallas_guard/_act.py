@@ -30,7 +30,11 @@ def carry_out(
 
     def record(action: str, warned: bool = False) -> None:
         if plan.record:
-            reason = plan.reason if not tried else f"{plan.reason}; tried {'; '.join(tried)}"
+            why = [plan.reason]
+            if plan.candidates is not None:
+                why.append(plan.candidates.reason)
+            if tried:
+                why.append(f"tried {'; '.join(tried)}")
             _record.note(
                 kernel,
                 called_at=call_site,
@@ -38,7 +42,7 @@ def carry_out(
                 policy=policy.value,
                 action=action,
                 interpreter=interpreter,
-                reason=reason,
+                reason="; ".join(why),
                 layer=layer,
                 warned=warned,
                 tried=tried,

@@ -31,30 +31,9 @@ def _code_location(function: Any) -> str | None:
     return f"{code.co_filename}:{code.co_firstlineno}" if code is not None else None
 
 
-def innermost_function(body: object) -> Any:
-    """The Python function behind a kernel body: through partials, decorators (``__wrapped__``,
-    jitted functions), bound methods and callable objects (their ``__call__``)."""
-    function = body
-    for _ in range(16):  # a bounded unwrap: a self-referencing __wrapped__ cannot loop
-        if isinstance(function, functools.partial):
-            function = function.func
-        elif getattr(function, "__wrapped__", None) is not None:
-            function = function.__wrapped__  # type: ignore[attr-defined]
-        elif isinstance(function, types.MethodType):
-            function = function.__func__
-        elif not hasattr(function, "__code__") and callable(function) and not isinstance(function, type):
-            call = getattr(type(function), "__call__", None)  # noqa: B004 - the class's, not an instance attribute
-            if call is None or not hasattr(call, "__code__"):
-                break
-            function = call
-        else:
-            break
-    return function
-
-
 def kernel_from_callable(kernel: object, *, entry_point: str, name: object = None) -> KernelInfo:
     """Facts about a kernel body the user handed to an entry point."""
-    function = innermost_function(kernel)
+    function = _interpreters.innermost_function(kernel)
     label = getattr(function, "__qualname__", None) or getattr(function, "__name__", None)
     if isinstance(name, str) and name:
         label = f"{name} ({label})" if label and label != name else name

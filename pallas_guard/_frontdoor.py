@@ -124,11 +124,9 @@ class _Guarded:
         if not explicit and name in self._built:
             return self._built[name]
         value = _interpreters.params(name, self.candidates) if explicit else self.value(name)
-        kwargs = dict(self.call.kwargs)
-        if value is not None:
-            kwargs["interpret"] = value
-        elif explicit:
-            kwargs["interpret"] = True
+        if value is None and explicit:
+            value = True
+        kwargs = _interpreters.entry_kwargs(name, self.call.facts, self.call.kwargs, value)
         built = self.run(self.wrapped, name, *self.call.args, **kwargs)
         if not explicit:
             self._built[name] = built
@@ -178,7 +176,7 @@ class _Guarded:
         with self._lock:
             if shapes in self._settled:
                 return self._settled[shapes]
-        code = getattr(_diagnostics.innermost_function(self.call.body), "__code__", None) or id(self.call.body)
+        code = getattr(_interpreters.innermost_function(self.call.body), "__code__", None) or id(self.call.body)
         key = (self.call.entry.label, code, self.candidates.names, shapes)
         with _settled_lock:
             known = _settled.get(key)

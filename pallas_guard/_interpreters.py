@@ -35,6 +35,9 @@ class KernelFacts(NamedTuple):
     """Why the kernel needs cross-device TPU semantics, or None."""
     core_mesh: str | None = None
     """The TPU core mesh the kernel is mapped over (``pl.kernel``/``core_map``), or None."""
+    program_id_in_control_flow: str | None = None
+    """Where the body reads ``program_id`` below its top level (``pl.when``, ``fori_loop``), or None."""
+    entry_point: str = "pallas_call"
 
 
 GENERIC = KernelFacts(None, "no backend-specific compiler_params, mesh, grid spec or scratch types", None)
@@ -108,12 +111,29 @@ def _is_barrier(leaf: object) -> bool:
     return False
 
 
-def _code_objects(body: object) -> Iterator[types.CodeType]:
+def innermost_function(body: object) -> Any:
+    """The Python function behind a kernel body: through partials, decorators (``__wrapped__``,
+    jitted functions), bound methods and callable objects (their ``__call__``)."""
     function = body
-    while isinstance(function, functools.partial):
-        function = function.func
-    function = getattr(function, "__wrapped__", function)
-    code = getattr(function, "__code__", None)
+    for _ in range(16):  # a bounded unwrap: a self-referencing __wrapped__ cannot loop
+        if isinstance(function, functools.partial):
+            function = function.func
+        elif getattr(function, "__wrapped__", None) is not None:
+            function = function.__wrapped__  # type: ignore[attr-defined]
+        elif isinstance(function, types.MethodType):
+            function = function.__func__
+        elif not hasattr(function, "__code__") and callable(function) and not isinstance(function, type):
+            call = getattr(type(function), "__call__", None)  # noqa: B004 - the class's, not an instance attribute
+            if call is None or not hasattr(call, "__code__"):
+                break
+            function = call
+        else:
+            break
+    return function
+
+
+def _code_objects(body: object) -> Iterator[types.CodeType]:
+    code = getattr(innermost_function(body), "__code__", None)
     pending = [code] if isinstance(code, types.CodeType) else []
     seen = 0
     while pending and seen < _MAX_CODE_OBJECTS:
@@ -132,6 +152,19 @@ def _body_cross_device(body: object) -> str | None:
         for const in code.co_consts:
             if isinstance(const, tuple) and _CROSS_DEVICE_KEYWORDS.intersection(c for c in const if isinstance(c, str)):
                 return "its body addresses another device (device_id=)"
+    return None
+
+
+_GRID_NAMES = frozenset({"program_id", "num_programs"})
+
+
+def _program_id_in_control_flow(body: object) -> str | None:
+    """A nested function of the body (a ``pl.when``/``cond``/loop body) that reads the grid position."""
+    codes = _code_objects(body)
+    next(codes, None)  # the body's own top level: the plain interpreter handles it there
+    for code in codes:
+        if _GRID_NAMES.intersection(code.co_names):
+            return f"{code.co_name} reads {', '.join(sorted(_GRID_NAMES.intersection(code.co_names)))}"
     return None
 
 
@@ -175,7 +208,14 @@ def kernel_facts(entry_point: str, body: object, kwargs: Mapping[str, Any], mesh
         (type(m).__name__ for m in _leaves(mesh) if m is not None and _internals.backend_family(m) == "mosaic_tpu"),
         None,
     )
-    return KernelFacts(family, evidence or GENERIC.family_evidence, cross_device, core_mesh)
+    return KernelFacts(
+        family,
+        evidence or GENERIC.family_evidence,
+        cross_device,
+        core_mesh,
+        _program_id_in_control_flow(body) if family in (None, "triton", "mosaic_gpu") else None,
+        entry_point,
+    )
 
 
 # --- the choice ---------------------------------------------------------------------------------
@@ -216,13 +256,17 @@ def candidates(  # noqa: PLR0911 - one return per rule, in priority order
             ("tpu",), f"needs cross-device TPU semantics ({facts.cross_device}): TPU interpret mode", eager_dmas=True
         )
     if facts.core_mesh:
-        # The plain interpreter does not bind a TPU core mesh's axes (qwix, tokamax).
-        return Candidates(
-            ("tpu", "plain"), f"mapped over a TPU core mesh ({facts.core_mesh}): TPU interpret mode first", verify=True
-        )
+        # The plain interpreter binds no core axis (emit_pipeline's) and cannot discharge bounded-slice
+        # DMAs (qwix, tokamax): TPU interpret mode is the only one.
+        return Candidates(("tpu",), f"mapped over a TPU core mesh ({facts.core_mesh}): TPU interpret mode")
     if facts.family == "mosaic_gpu":
+        if facts.entry_point == "plgpu.kernel":
+            return Candidates(("gpu",), "built with plgpu.kernel: only the Mosaic-GPU interpreter runs it")
+        # The Mosaic-GPU interpreter runs plgpu primitives but only trivial block windows; the
+        # plain one runs any grid of jnp code; TPU interpret mode (without the GPU compiler_params)
+        # also runs program_id inside control flow.
         return Candidates(
-            ("gpu", "plain"),
+            ("gpu", "plain", "tpu"),
             f"a Mosaic-GPU kernel ({facts.family_evidence}): the Mosaic-GPU interpreter first, verified",
             verify=True,
         )
@@ -232,7 +276,27 @@ def candidates(  # noqa: PLR0911 - one return per rule, in priority order
             f"a Mosaic-TPU kernel ({facts.family_evidence}): the plain interpreter first (fastest), verified",
             verify=True,
         )
+    if facts.program_id_in_control_flow:
+        # The plain interpreter substitutes program_id only at the body's top level.
+        return Candidates(
+            ("plain", "tpu"),
+            f"program_id inside control flow ({facts.program_id_in_control_flow}): the plain interpreter "
+            "first, verified",
+            verify=True,
+        )
     return PLAIN_ONLY
+
+
+def entry_kwargs(name: str, facts: KernelFacts, kwargs: Mapping[str, Any], value: Any) -> dict[str, Any]:
+    """The entry point's keyword arguments that run the kernel in interpreter ``name`` with ``value``:
+    TPU interpret mode accepts only TPU compiler_params, and a Triton or Mosaic-GPU kernel's are
+    hints for a compiler it does not use."""
+    kwargs = dict(kwargs)
+    if value is not None:
+        kwargs["interpret"] = value
+    if name == "tpu" and facts.family in ("triton", "mosaic_gpu"):
+        kwargs["compiler_params"] = None
+    return kwargs
 
 
 def params(name: str, chosen: Candidates) -> Any:

@@ -31,7 +31,8 @@ from conftest import (
 from jax.experimental import pallas as pl
 
 import pallas_guard
-from pallas_guard import _hook, _install, _internals, _lowering
+import pallas_guard_autoload
+from pallas_guard import _install, _internals, _lowering
 
 PACKAGE_DIR = REPO_ROOT / "pallas_guard"
 
@@ -83,8 +84,8 @@ except ModuleNotFoundError as error:
 status = _install.status()
 print(json.dumps({
     "inside": inside, "user_error": user_error, "jax_loaded": "jax" in sys.modules,
-    "wrapt_loaded": "wrapt" in sys.modules, "requested": status["requested"],
-    "patched": status["patched"], "failure": status["failure"], "decisions": len(pallas_guard.decisions()),
+    "wrapt_loaded": "wrapt" in sys.modules, "requested": status.requested,
+    "patched": list(status.patched), "failure": status.failure, "decisions": len(pallas_guard.decisions()),
 }))
 """,
         env={"PALLAS_GUARD_POLICY": "warn"},
@@ -216,8 +217,8 @@ jax.clear_caches()
 again = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
 print(json.dumps({
     "original": pl.pallas_call is pallas_call_module.pallas_call,
-    "was_unpatched": status["patched"] == [] and status["lowering_rules"] == [],
-    "cpu_rule": cpu_rule, "active": status["active"], "failure": status["failure"],
+    "was_unpatched": status.patched == () and status.lowering_rules == (),
+    "cpu_rule": cpu_rule, "active": status.active, "failure": status.failure,
     "error": error, "again": again.tolist(),
 }))
 """,
@@ -247,10 +248,10 @@ def test_hook_exception_after_patching_undoes_everything(
     monkeypatch.setattr(_lowering, "install_rule", broken_rule)
     pallas_guard.install("interpret")  # pallas is imported: the hook runs now, inside install()
     status = _install.status()
-    assert status["failure"] == "RuntimeError: simulated bug in the lowering net"
-    assert status["patched"] == [] and not status["active"]
+    assert status.failure == "RuntimeError: simulated bug in the lowering net"
+    assert status.patched == () and not status.active
     assert pl.pallas_call is ORIGINAL_PALLAS_CALL  # the wrappers applied first were taken off again
-    _install._on_import(sys.modules["jax.experimental.pallas"])  # the hook firing again: silent
+    _install.installation._on_import(sys.modules["jax.experimental.pallas"])  # the hook firing again: silent
     err = capfd.readouterr().err
     assert err.count("pallas_guard: disabled itself") == 1, err
 
@@ -259,16 +260,16 @@ def test_hook_exception_after_patching_undoes_everything(
 
 
 def _finders() -> int:
-    return sum(isinstance(entry, _hook.PostImportFinder) for entry in sys.meta_path)
+    return sum(isinstance(entry, pallas_guard_autoload.PostImportFinder) for entry in sys.meta_path)
 
 
 def test_install_twice_patches_once(xs: jax.Array) -> None:
     pallas_guard.install("interpret")
     first = _install.status()
-    rules = list(_install._rules)
+    rules = list(_install.installation.rules)
     pallas_guard.install("interpret")
     assert _install.status() == first
-    assert _install._rules == rules
+    assert _install.installation.rules == rules
     assert pl.pallas_call.__wrapped__ is ORIGINAL_PALLAS_CALL  # one wrapper, not a wrapper of ours
     assert _finders() == 1
     np.testing.assert_array_equal(add(xs, xs), xs + xs)
@@ -280,7 +281,7 @@ def test_install_uninstall_sequences(order: str, xs: jax.Array) -> None:
     for step in order:
         (pallas_guard.install if step == "i" else pallas_guard.uninstall)()  # type: ignore[operator]
     assert pl.pallas_call is ORIGINAL_PALLAS_CALL
-    assert _install.status()["patched"] == []
+    assert _install.status().patched == ()
     pallas_guard.install("interpret")
     np.testing.assert_array_equal(add(xs, xs), xs + xs)
     assert len(pallas_guard.decisions()) == 1

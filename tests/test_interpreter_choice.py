@@ -6,7 +6,6 @@ end-to-end tests run real kernels on this CPU under the guard, with no ``interpr
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import inspect
 from collections.abc import Callable
@@ -20,13 +19,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 import pallas_guard
-from pallas_guard import _interpreters, _policy
+from pallas_guard import _interpreters, _settings
 
-AUTO = _policy.Setting(_policy.Interpreter.AUTO, "default")
+AUTO = _settings.Setting(pallas_guard.Interpreter.AUTO, "default")
 
 
-def _setting(name: str) -> _policy.Setting[_policy.Interpreter]:
-    return _policy.Setting(_policy.parse_interpreter(name), "test")
+def _setting(name: str) -> _settings.Setting[pallas_guard.Interpreter]:
+    return _settings.Setting(_settings.parse("interpreter", name, "test"), "test")
 
 
 def _interpreted(kernel_name: str | None = None) -> list[str | None]:
@@ -146,67 +145,101 @@ def test_triton_kernel_is_never_cross_device() -> None:
     assert facts.cross_device is None
 
 
-# --- choose() -----------------------------------------------------------------------------------------
+def _core_mesh() -> object:
+    """``pltpu.create_tensorcore_mesh`` asks the device for its core count: on a CPU, an abstract TPU answers."""
+    tpu = jax.sharding.AbstractDevice("TPU v5 lite", 1, "tpu")  # type: ignore[attr-defined]
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), (), abstract_device=tpu)):
+        return pltpu.create_tensorcore_mesh("core")
 
 
-def test_auto_chooses_plain_for_single_device_kernels() -> None:
-    for kwargs in ({}, {"compiler_params": pltpu.CompilerParams()}, {"compiler_params": _triton_params()}):
-        choice = _interpreters.choose(AUTO, _interpreters.kernel_facts("pallas_call", dma_kernel, kwargs))
-        assert choice.name == "plain"
-        assert choice.value is None  # the lowering net substitutes interpret=True
+# --- candidates() -----------------------------------------------------------------------------------
 
 
-def test_auto_chooses_tpu_interpret_mode_with_eager_dmas_for_cross_device_kernels() -> None:
+def test_generic_and_triton_kernels_get_the_plain_interpreter_alone() -> None:
+    for kwargs in ({}, {"compiler_params": _triton_params()}):
+        chosen = _interpreters.candidates(AUTO, _interpreters.kernel_facts("pallas_call", dma_kernel, kwargs))
+        assert chosen.names == ("plain",) and not chosen.verify
+        assert _interpreters.params("plain", chosen) is None  # the lowering net substitutes interpret=True
+
+
+def test_mosaic_tpu_kernels_try_plain_first_and_verify() -> None:
+    facts = _interpreters.kernel_facts("pallas_call", dma_kernel, {"compiler_params": pltpu.CompilerParams()})
+    chosen = _interpreters.candidates(AUTO, facts)
+    assert chosen.names == ("plain", "tpu") and chosen.verify
+
+
+def test_kernels_over_a_tpu_core_mesh_get_tpu_interpret_mode() -> None:
+    mesh = _core_mesh()
+    facts = _interpreters.kernel_facts("pl.kernel", copy_kernel, {"mesh": mesh})
+    assert facts.core_mesh == type(mesh).__name__
+    chosen = _interpreters.candidates(AUTO, facts)
+    assert chosen.names == ("tpu",) and not chosen.verify
+    assert "TPU core mesh" in chosen.reason
+
+
+def test_program_id_inside_control_flow_is_verified_with_tpu_interpret_mode_as_fallback() -> None:
+    def kernel(x_ref, o_ref):  # type: ignore[no-untyped-def]
+        @pl.when(x_ref[0, 0] > 0)
+        def _():  # type: ignore[no-untyped-def]
+            o_ref[...] = x_ref[...] + pl.program_id(0)
+
+    chosen = _interpreters.candidates(AUTO, _interpreters.kernel_facts("pallas_call", kernel, {}))
+    assert chosen.names == ("plain", "tpu") and chosen.verify
+    assert "program_id" in chosen.reason
+    # At the top level the plain interpreter handles it: nothing to verify.
+    assert _interpreters.candidates(AUTO, _interpreters.kernel_facts("pallas_call", copy_kernel, {})).names == (
+        "plain",
+    )
+
+
+def test_cross_device_kernels_get_tpu_interpret_mode_with_eager_dmas() -> None:
     facts = _interpreters.kernel_facts("pallas_call", remote_kernel, {})
-    choice = _interpreters.choose(AUTO, facts)
-    assert choice.name == "tpu"
-    assert isinstance(choice.value, _interpreters.tpu_params_class())  # type: ignore[arg-type]
-    assert choice.value.dma_execution_mode == "eager"
-    assert "cross-device" in choice.reason
+    chosen = _interpreters.candidates(AUTO, facts)
+    assert chosen.names == ("tpu",) and not chosen.verify
+    value = _interpreters.params("tpu", chosen)
+    assert isinstance(value, _interpreters.tpu_params_class())  # type: ignore[arg-type]
+    assert value.dma_execution_mode == "eager"
+    assert "cross-device" in chosen.reason
 
 
-def test_auto_chooses_the_mosaic_gpu_interpreter_for_mosaic_gpu_kernels() -> None:
+def test_mosaic_gpu_kernels_try_the_mosaic_gpu_interpreter_first() -> None:
     facts = _interpreters.kernel_facts("plgpu.kernel", copy_kernel, {})
-    choice = _interpreters.choose(AUTO, facts)
+    chosen = _interpreters.candidates(AUTO, facts)
+    assert chosen.names == ("gpu",) and not chosen.verify
     gpu_class = _interpreters.gpu_params_class()
-    if gpu_class is None:  # jax < 0.9.0 has none
-        assert choice.name == "plain"
-        assert "no Mosaic-GPU interpreter" in choice.reason
-    else:
-        assert choice.name == "gpu"
-        assert isinstance(choice.value, gpu_class)
+    if gpu_class is not None:  # jax < 0.9.0 has none
+        assert isinstance(_interpreters.params("gpu", chosen), gpu_class)
+    facts = facts._replace(entry_point="pallas_call")  # a pallas_call with Mosaic-GPU compiler_params
+    assert _interpreters.candidates(AUTO, facts).names == ("gpu", "plain", "tpu")
 
 
 @pytest.mark.parametrize("forced", ["plain", "tpu", "gpu"])
 def test_forced_interpreter_wins_over_facts(forced: str) -> None:
-    if forced == "gpu" and _interpreters.gpu_params_class() is None:
-        pytest.skip("this jax has no Mosaic-GPU interpreter")
     facts = _interpreters.kernel_facts("pallas_call", remote_kernel, {})
-    choice = _interpreters.choose(_setting(forced), facts)
-    assert choice.name == forced
-    assert "forced by test" in choice.reason
+    chosen = _interpreters.candidates(_setting(forced), facts)
+    assert chosen.names == (forced,) and not chosen.verify
+    assert "forced by test" in chosen.reason
 
 
 def test_race_detection_means_tpu_interpret_mode_with_the_detector_on() -> None:
-    choice = _interpreters.choose(AUTO, _interpreters.GENERIC, detect_races=True)
-    assert choice.name == "tpu"
-    assert choice.detect_races
-    assert choice.value.detect_races is True
+    chosen = _interpreters.candidates(AUTO, _interpreters.GENERIC, detect_races=True)
+    assert chosen.names == ("tpu",) and chosen.detect_races
+    assert _interpreters.params("tpu", chosen).detect_races is True
     # A Triton kernel cannot run in TPU interpret mode: race detection does not apply to it.
     triton = _interpreters.kernel_facts("pallas_call", copy_kernel, {"compiler_params": _triton_params()})
-    assert _interpreters.choose(AUTO, triton, detect_races=True).name == "plain"
+    assert _interpreters.candidates(AUTO, triton, detect_races=True).names == ("plain",)
 
 
 def test_inside_a_lowering_only_plain_is_possible() -> None:
     facts = _interpreters.kernel_facts("pallas_call", remote_kernel, {})
-    choice = _interpreters.choose(_setting("tpu"), facts, inside_lowering=True)
-    assert choice.name == "plain"
-    assert "lowering" in choice.reason
+    chosen = _interpreters.candidates(_setting("tpu"), facts, inside_lowering=True)
+    assert chosen.names == ("plain",)
+    assert "lowering" in chosen.reason
 
 
 def test_collective_id_alone_selects_tpu_interpret_mode() -> None:
     facts = _interpreters.kernel_facts("pallas_call", None, {"compiler_params": pltpu.CompilerParams(collective_id=0)})
-    assert _interpreters.choose(AUTO, facts).name == "tpu"
+    assert _interpreters.candidates(AUTO, facts).names == ("tpu",)
 
 
 # --- end to end: real kernels under the guard ------------------------------------------------------
@@ -258,7 +291,8 @@ def test_env_override_and_bad_value() -> None:
 
 
 def _detect_races(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_policy._process, "detect_races", _policy.Setting(True, _policy.DETECT_RACES_ENV))
+    monkeypatch.setenv("PALLAS_GUARD_DETECT_RACES", "1")
+    _settings.reset()
 
 
 def test_race_is_reported_as_pallas_guard_error_naming_the_kernel(
@@ -358,8 +392,8 @@ def test_explain_failure_ignores_unrelated_errors() -> None:
     assert "Mosaic-GPU interpreter" in reason
 
 
-def test_choice_is_a_frozen_record() -> None:
-    choice = _interpreters.choose(AUTO)
-    assert choice == _interpreters.PLAIN
-    with pytest.raises(dataclasses.FrozenInstanceError if dataclasses.is_dataclass(choice) else AttributeError):
-        choice.name = "tpu"  # type: ignore[misc]
+def test_candidates_are_a_frozen_record() -> None:
+    chosen = _interpreters.candidates(AUTO)
+    assert chosen == _interpreters.PLAIN_ONLY
+    with pytest.raises(AttributeError):
+        chosen.names = ("tpu",)  # type: ignore[misc]
