@@ -153,7 +153,7 @@ def user_call_site() -> CallSite:
 def _describe(kernel: KernelInfo, call_site: CallSite) -> str:
     defined = f" (defined at {kernel.defined_at})" if kernel.defined_at else ""
     called = f", called at {call_site}," if call_site.user else ""
-    return f"Pallas kernel {kernel.name!r}{defined}{called} via {kernel.entry_point}"
+    return f"Pallas kernel {kernel.name!r} (built with {kernel.entry_point}){defined}{called}".rstrip(",")
 
 
 def message(

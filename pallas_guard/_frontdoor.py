@@ -33,6 +33,11 @@ class _KernelCall:
     def body(self) -> Any:
         return self.entry.body(self.args, self.kwargs)
 
+    def given_body(self, body: Any) -> None:
+        """A decorator form received its body: diagnostics name it from now on."""
+        self.__dict__["body"] = body
+        self.__dict__.pop("info", None)
+
     @functools.cached_property
     def info(self) -> _diagnostics.KernelInfo:
         if self.body is None:
@@ -160,12 +165,23 @@ class _Guarded:
         )
 
     def first(self) -> Any:
-        """What the entry point returns to the caller."""
+        """What the entry point returns to the caller: the kernel callable, or for a decorator form
+        (``@pl.kernel(mesh=...)``) the decorator, which hands the body over when applied."""
         name = self.candidates.names[0]
-        if not self.candidates.verify:
-            self.commit(name)
         built = self.build(name)
-        return self.wrap_kernel(built) if self.call.entry.returns_kernel(self.call.args, self.call.kwargs) else built
+        if self.call.entry.returns_kernel(self.call.args, self.call.kwargs) or not callable(built):
+            if not self.candidates.verify:
+                self.commit(name)
+            return self.wrap_kernel(built)
+
+        @functools.wraps(built)
+        def decorator(body: Any, *args: Any, **kwargs: Any) -> Any:
+            self.call.given_body(body)
+            if not self.candidates.verify:
+                self.commit(name)
+            return self.wrap_kernel(built(body, *args, **kwargs))
+
+        return decorator
 
     # --- choosing ----------------------------------------------------------------------------------
 
@@ -181,6 +197,8 @@ class _Guarded:
         with _settled_lock:
             known = _settled.get(key)
         if known is None:
+            # Named from the kernel's call, not from where it was built (a decorator form).
+            self.call_site = _diagnostics.user_call_site()
             known = self._verify(call_args, call_kwargs)
             with _settled_lock:
                 if len(_settled) < _MAX_SETTLED:

@@ -39,8 +39,8 @@ def make_cpu_rule(entry_point: str, delegate: LoweringRule, installation: Any) -
             call_site = _diagnostics.call_site_of(_internals.lowering_frames(ctx))
             if not call_site.is_users:
                 on_stack = _diagnostics.user_call_site()
-                if on_stack.is_users:
-                    call_site = on_stack._replace(via=on_stack.via or call_site.via)
+                if on_stack.is_users:  # the library frame the equation recorded stays beside it
+                    call_site = on_stack._replace(via=on_stack.via or call_site.via or call_site.user)
             kernel = _diagnostics.kernel_from_params(params, entry_point=entry_point)
             _act.carry_out(
                 plan,

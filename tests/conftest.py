@@ -108,3 +108,14 @@ def run_python(
         timeout=timeout,
         check=False,
     )
+
+
+def line_of(marker: str, path: str | None = None) -> int:
+    """The line number of ``marker`` in ``path`` (default: the calling file), so call-site
+    assertions survive edits."""
+    path = path or sys._getframe(1).f_code.co_filename
+    with open(path) as source:
+        for number, line in enumerate(source, start=1):
+            if marker in line and "line_of(" not in line:
+                return number
+    raise AssertionError(marker)
