@@ -132,15 +132,27 @@ def innermost_function(body: object) -> Any:
     return function
 
 
-def _code_objects(body: object) -> Iterator[types.CodeType]:
-    code = getattr(innermost_function(body), "__code__", None)
+def _code_objects(body: object, *, helpers: bool = False) -> Iterator[types.CodeType]:
+    """The body's code, then its nested functions' (``pl.when`` bodies, loop bodies, lambdas); with
+    ``helpers``, also the code of module-level functions of the body's own module that they call."""
+    function = innermost_function(body)
+    code = getattr(function, "__code__", None)
+    namespace = getattr(function, "__globals__", None) or {}
+    module = namespace.get("__name__")
     pending = [code] if isinstance(code, types.CodeType) else []
-    seen = 0
-    while pending and seen < _MAX_CODE_OBJECTS:
-        code = pending.pop()
-        seen += 1
+    seen: set[types.CodeType] = set()
+    while pending and len(seen) < _MAX_CODE_OBJECTS:
+        code = pending.pop(0)
+        if code in seen:
+            continue
+        seen.add(code)
         yield code
         pending.extend(const for const in code.co_consts if isinstance(const, types.CodeType))
+        if helpers:
+            for name in code.co_names:
+                helper = namespace.get(name)
+                if isinstance(helper, types.FunctionType) and helper.__module__ == module:
+                    pending.append(helper.__code__)
 
 
 def _body_cross_device(body: object) -> str | None:
@@ -159,8 +171,9 @@ _GRID_NAMES = frozenset({"program_id", "num_programs"})
 
 
 def _program_id_in_control_flow(body: object) -> str | None:
-    """A nested function of the body (a ``pl.when``/``cond``/loop body) that reads the grid position."""
-    codes = _code_objects(body)
+    """A nested function of the body (a ``pl.when``/``cond``/loop body), or a helper of its module,
+    that reads the grid position: where the plain interpreter may not substitute it."""
+    codes = _code_objects(body, helpers=True)
     next(codes, None)  # the body's own top level: the plain interpreter handles it there
     for code in codes:
         if _GRID_NAMES.intersection(code.co_names):
