@@ -270,8 +270,13 @@ def candidates(  # noqa: PLR0911 - one return per rule, in priority order
         )
     if facts.core_mesh:
         # The plain interpreter binds no core axis (emit_pipeline's) and cannot discharge bounded-slice
-        # DMAs (qwix, tokamax): TPU interpret mode is the only one.
-        return Candidates(("tpu",), f"mapped over a TPU core mesh ({facts.core_mesh}): TPU interpret mode")
+        # DMAs (qwix, tokamax); TPU interpret mode refuses what a TPU would (a direct read of an HBM ref),
+        # which the plain one runs.
+        return Candidates(
+            ("tpu", "plain"),
+            f"mapped over a TPU core mesh ({facts.core_mesh}): TPU interpret mode first, verified",
+            verify=True,
+        )
     if facts.family == "mosaic_gpu":
         if facts.entry_point == "plgpu.kernel":
             return Candidates(("gpu",), "built with plgpu.kernel: only the Mosaic-GPU interpreter runs it")

@@ -66,7 +66,7 @@ def _core_mesh_double(x: jax.Array) -> jax.Array:
     shapes = {("out_type" if "out_type" in parameters else "out_shape"): jax.ShapeDtypeStruct(x.shape, x.dtype)}
     shapes["scratch_types" if "scratch_types" in parameters else "scratch_shapes"] = scratch
 
-    @functools.partial(pl.kernel, mesh=mesh, **shapes)  # CALL-SITE-CORE-MESH: a decorator form is built here
+    @functools.partial(pl.kernel, mesh=mesh, **shapes)
     def core_mesh_kernel(x_hbm, o_hbm, buffer, sem):  # type: ignore[no-untyped-def]
         core = jax.lax.axis_index("core")  # unbound in the plain interpreter
         pltpu.make_async_copy(x_hbm, buffer, sem).start()
@@ -75,7 +75,7 @@ def _core_mesh_double(x: jax.Array) -> jax.Array:
         pltpu.make_async_copy(buffer, o_hbm, sem).start()
         pltpu.make_async_copy(buffer, o_hbm, sem).wait()
 
-    return core_mesh_kernel(x)
+    return core_mesh_kernel(x)  # CALL-SITE-CORE-MESH (verified: named where the kernel is called)
 
 
 def test_core_mesh_kernel_runs_in_tpu_interpret_mode(guard: Callable[..., None], abstract_tpu: None) -> None:
