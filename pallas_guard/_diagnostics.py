@@ -269,12 +269,11 @@ def no_interpreter(
 ) -> PallasGuardError:
     """No candidate interpreter runs ``kernel``: each one tried, with the first line of its error."""
     tried = [f"  - {_interpreters.describe_interpreter(name)}: {_first_line(error)}" for name, error in failures]
-    distinct = len({_first_line(error) for _, error in failures}) == len(failures)
     verdict = (
-        "Each interpreter failed differently: this looks like a gap in JAX's interpreters for this kernel, "
+        "Each failure comes from inside JAX's interpreters: this looks like a gap in them for this kernel, "
         "not a bug in the kernel (report it to JAX, or to the kernel's authors)."
-        if distinct
-        else "Some interpreters failed the same way: the kernel itself may be at fault."
+        if all(_interpreters.is_interpreter_gap(error) for _, error in failures)
+        else "Not every failure comes from inside JAX's interpreters: the kernel itself may be at fault."
     )
     lines = [
         f"pallas_guard: no interpreter could run {_describe(kernel, call_site)} on the CPU. Tried, in order ({why}):",

@@ -280,13 +280,11 @@ def wrap_entry_point(original: Callable[..., Any], entry: EntryPoint, installati
     ) -> Any:
         del instance
         interpret = kwargs.get("interpret", False)
-        policy = _settings.current_policy()
-        target = _target.detect() if not interpret else _target.UNKNOWN
         call = _KernelCall(entry, args, kwargs)
         situation = _plan.Situation(
             "front door",
-            policy.value,
-            target.platform,
+            _settings.current_policy().value,
+            (_target.detect() if not interpret else _target.UNKNOWN).platform,
             interpret=interpret,
             forced_by_jax=_internals.forced_interpret_value(),
             inside_export=_target.inside_export(),
@@ -294,26 +292,52 @@ def wrap_entry_point(original: Callable[..., Any], entry: EntryPoint, installati
             accelerator_plugins=bool(_target.installed_accelerator_plugins()),
             candidates=call.candidates,
         )
-        plan = _plan.plan(situation)
-        if plan.action in (_plan.Action.UNTOUCHED, _plan.Action.DEFER):
-            return wrapped(*args, **kwargs)
-        call_site = _diagnostics.user_call_site()
-        if plan.action is _plan.Action.REFUSE:
-            _act.carry_out(
-                plan,
-                layer="front door",
-                kernel=call.info,
-                call_site=call_site,
-                target=_fallback(target, plan),
-                policy=policy,
-            )
-        return _Guarded(call, wrapped, plan, target, policy, call_site).first()
+        return _enter(wrapped, call, situation)
 
     pallas_guard_front_door.__qualname__ = f"pallas_guard_front_door[{entry.label}]"
     wrapper = _entry_point_wrapper_class()(original, pallas_guard_front_door, installation.is_active)
     # wrapt keeps `_self_`-prefixed attributes on the proxy itself: our marker for idempotence.
     wrapper._self_pallas_guard = True  # noqa: SLF001
     return wrapper
+
+
+def _enter(wrapped: Callable[..., Any], call: _KernelCall, situation: _plan.Situation) -> Any:
+    """Carry out the plan for one call of an entry point; what it returns goes to the caller."""
+    plan = _plan.plan(situation)
+    if plan.action is _plan.Action.DEFER and plan.replan:
+        return _deferred(wrapped, call, situation)
+    if plan.action in (_plan.Action.UNTOUCHED, _plan.Action.DEFER):
+        return wrapped(*call.args, **call.kwargs)
+    policy = _settings.current_policy()
+    target = _target.detect()
+    call_site = _diagnostics.user_call_site()
+    if plan.action is _plan.Action.REFUSE:
+        refused = _fallback(target, plan)
+        _act.carry_out(plan, layer="front door", kernel=call.info, call_site=call_site, target=refused, policy=policy)
+    return _Guarded(call, wrapped, plan, target, policy, call_site).first()
+
+
+def _deferred(wrapped: Callable[..., Any], call: _KernelCall, situation: _plan.Situation) -> Any:
+    """A kernel built before the target was known (a decorator run at import, before any array
+    exists) that needs the front door: the plan is made again when it is called."""
+    built = wrapped(*call.args, **call.kwargs)
+    if not callable(built) or not call.entry.returns_kernel(call.args, call.kwargs):
+        return built
+    resolved: list[Any] = []
+
+    def pallas_guard_deferred(
+        kernel: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        del instance
+        if not resolved:
+            platform = _target.detect().platform
+            if platform is None:  # still unknown: the lowering net decides
+                return kernel(*args, **kwargs)
+            now = situation._replace(platform=platform, policy=_settings.current_policy().value)
+            resolved.append(_enter(wrapped, call, now))
+        return resolved[0](*args, **kwargs)
+
+    return _kernel_wrapper_class()(built, pallas_guard_deferred)
 
 
 def _fallback(target: _target.Target, plan: _plan.Plan) -> _target.Target:

@@ -268,7 +268,9 @@ def candidates(  # noqa: PLR0911 - one return per rule, in priority order
         return Candidates(
             ("tpu",), f"needs cross-device TPU semantics ({facts.cross_device}): TPU interpret mode", eager_dmas=True
         )
-    if facts.core_mesh:
+    # pl.core_map runs its body when applied: there is no kernel callable to verify, and from jax
+    # 0.11.2 (deprecated, served by a module __getattr__) only the lowering net, hence plain, sees it.
+    if facts.core_mesh and facts.entry_point != "pl.core_map":
         # The plain interpreter binds no core axis (emit_pipeline's) and cannot discharge bounded-slice
         # DMAs (qwix, tokamax); TPU interpret mode refuses what a TPU would (a direct read of an HBM ref),
         # which the plain one runs.
@@ -374,6 +376,24 @@ def _raised_in(error: BaseException, fragment: str) -> bool:
             return True
         traceback = traceback.tb_next
     return False
+
+
+# Where JAX's interpreters fail on what they cannot run (measured on third-party kernels and JAX's
+# own hardware tests): their own modules, and the discharge rules the plain one lowers through.
+_INTERPRETER_MODULES = (
+    "pallas/mosaic/interpret",
+    "pallas/mosaic_gpu/interpret",
+    "pallas/hlo_interpreter",
+    "state/discharge",
+)
+
+
+def is_interpreter_gap(error: BaseException) -> bool:
+    """Whether ``error`` is an interpreter's limit (a rule it lacks, an assertion or lookup inside
+    it) rather than something the kernel's own code got wrong."""
+    if isinstance(error, NotImplementedError):
+        return True
+    return any(_raised_in(error, fragment) for fragment in _INTERPRETER_MODULES)
 
 
 def _failing_line(error: BaseException) -> str:

@@ -59,6 +59,9 @@ class Plan(NamedTuple):
     """``INTERPRET`` at the front door: the interpreters to use, best first."""
     fallback: str | None = None
     """``REFUSE`` because the lowering net is missing: why (the diagnostic says so)."""
+    replan: bool = False
+    """``DEFER`` of a kernel that needs the front door, built before the target was known: plan
+    again when the kernel is called."""
 
 
 def plan(situation: Situation) -> Plan:  # noqa: PLR0911, PLR0912 - one return per row of the table
@@ -73,7 +76,11 @@ def plan(situation: Situation) -> Plan:  # noqa: PLR0911, PLR0912 - one return p
     fallback = None
     if s.platform is None:
         if s.net_gap is None or s.accelerator_plugins:
-            return Plan(Action.DEFER, "target unknown at trace time; decided at lowering")
+            # Known when the kernel is called (its arguments exist by then), where it matters.
+            replan = (
+                not at_net and not s.inside_export and s.candidates is not None and _needs_front_door(s.candidates())
+            )
+            return Plan(Action.DEFER, "target unknown when the kernel is built; decided later", replan=replan)
         # Deferring to a net that is not there would be the guard silently doing nothing; with no
         # accelerator plugin installed JAX can only use the CPU.
         fallback = f"{s.net_gap}, and the target is not configured while no accelerator plugin is installed"
@@ -93,8 +100,13 @@ def plan(situation: Situation) -> Plan:  # noqa: PLR0911, PLR0912 - one return p
         return Plan(Action.DEFER, "inside jax.export: the export's platforms decide, at lowering")
     assert s.candidates is not None, "the front door passes the kernel's candidates"
     candidates = s.candidates()
-    if candidates.names == ("plain",) and not candidates.verify:
+    if not _needs_front_door(candidates):
         if s.net_gap is not None:
             return Plan(Action.REFUSE, f"falls back to strict: {s.net_gap}", record=True, fallback=s.net_gap)
         return Plan(Action.DEFER, f"{reason}; the plain interpreter, substituted by the lowering net")
     return Plan(Action.INTERPRET, reason, warn=warn, record=True, candidates=candidates)
+
+
+def _needs_front_door(candidates: Candidates) -> bool:
+    """Whether the front door must act: another interpreter than plain, or a choice to verify."""
+    return candidates.names != ("plain",) or candidates.verify

@@ -224,6 +224,7 @@ def test_no_interpreter_runs_it_one_error_lists_each(guard: Callable[..., None])
         "  - TPU interpret mode",
     ]
     assert "AssertionError" in listed[0] and "commit_smem" in listed[1]
+    assert "this looks like a gap in them" in text  # each failure is inside JAX's interpreters
     assert "PALLAS_GUARD_INTERPRETER=" in text
     assert info.value.__cause__ is not None  # chained from the first failure
     assert isinstance(info.value.__cause__, AssertionError)

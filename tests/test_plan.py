@@ -98,7 +98,16 @@ def test_inside_an_export_the_front_door_leaves_everything_to_lowering() -> None
 
 @pytest.mark.parametrize("policy", [Policy.INTERPRET, Policy.WARN, Policy.STRICT])
 def test_unknown_target_defers_to_lowering(policy: Policy) -> None:
-    assert plan(front(policy, None)).action is Action.DEFER
+    result = plan(front(policy, None))
+    assert (result.action, result.replan) == (Action.DEFER, False)
+
+
+@pytest.mark.parametrize("candidates", [TPU_FIRST, VERIFIED])
+def test_unknown_target_and_a_kernel_that_needs_the_front_door_plans_again_when_called(
+    candidates: Candidates,
+) -> None:
+    assert plan(front(Policy.INTERPRET, None, candidates)).replan is True
+    assert plan(front(Policy.INTERPRET, None, candidates, inside_export=True)).replan is False
 
 
 def test_without_a_net_an_unknown_target_and_no_plugin_fall_back_to_strict() -> None:
