@@ -19,8 +19,8 @@ GUARDED = ("-c", "import pallas_guard; import jax.experimental.pallas")
 PLAIN = ("-c", "import jax.experimental.pallas")
 _CHECK = (
     "import pallas_guard, jax.experimental.pallas as pl; from pallas_guard import _install; "
-    "s = _install.status(); assert s['active'] and s['patched'] and s['lowering_rules'], s; "
-    "print(len(s['patched']), 'entry points patched,', len(s['lowering_rules']), 'CPU rules')"
+    "s = _install.status(); assert s.active and s.patched and s.lowering_rules, s; "
+    "print(len(s.patched), 'entry points patched,', len(s.lowering_rules), 'CPU rules')"
 )
 
 
