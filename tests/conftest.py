@@ -3,11 +3,15 @@ leaves jax exactly as it found it (the originals of every patched attribute, the
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import shutil
 import subprocess
 import sys
+import sysconfig
 import textwrap
-from collections.abc import Callable, Iterator
+import zipfile
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import pytest
@@ -87,6 +91,28 @@ def xs() -> jax.Array:
 # --- fresh interpreters, for import-time and environment behaviour -----------------------------
 
 
+STARTUP_FILES = ("pallas_guard_autoload.pth", "pallas_guard_autoload.start")
+
+
+def clean_env(overrides: Mapping[str, str | None] | None = None, *, checkout_on_path: bool = True) -> dict[str, str]:
+    """This environment without any ``PALLAS_GUARD_*`` variable, plus ``overrides`` (None unsets).
+
+    ``checkout_on_path``: this checkout first on ``PYTHONPATH`` (a child imports the code under
+    test); False drops ``PYTHONPATH`` altogether (a throwaway venv's path file provides it).
+    """
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PALLAS_GUARD_")}
+    if checkout_on_path:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    else:
+        env.pop("PYTHONPATH", None)
+    for name, value in (overrides or {}).items():
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
+    return env
+
+
 def run_python(
     code: str,
     *,
@@ -96,12 +122,9 @@ def run_python(
     interpreter_args: tuple[str, ...] = (),
 ) -> subprocess.CompletedProcess[str]:
     """Run ``code`` in a fresh interpreter with this checkout importable; env entries of None unset."""
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith("PALLAS_GUARD_")}
-    full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), full_env.get("PYTHONPATH")]))
-    full_env.update(env or {})
     return subprocess.run(
         [sys.executable, *interpreter_args, "-c", textwrap.dedent(code)],
-        env=full_env,
+        env=clean_env(env),
         cwd=cwd,
         capture_output=True,
         text=True,
@@ -119,3 +142,70 @@ def line_of(marker: str, path: str | None = None) -> int:
             if marker in line and "line_of(" not in line:
                 return number
     raise AssertionError(marker)
+
+
+# --- throwaway virtualenvs, for start-up behaviour as an installed pallas_guard has it -----------
+
+
+def dependency_paths() -> list[str]:
+    """The site-packages directories this interpreter imports jax, pytest, ... from."""
+    return [p for p in sys.path if p.endswith("site-packages") and os.path.isdir(p)]
+
+
+def make_venv(root: Path, *, autoload: bool, wheel: Path | None = None) -> Path:
+    """A venv without pip, made from this interpreter; returns its python.
+
+    Its site-packages gets a path file (``_paths.pth``, processed before ours) that makes jax and
+    the test dependencies importable (paths listed in a ``.pth`` are added without processing the
+    ``.pth`` files inside them, so no other autoload runs). pallas_guard is either this checkout
+    (on the same path file; ``autoload`` copies ``pallas_guard_autoload.pth`` and ``.start``
+    beside it) or, given ``wheel``, the built wheel unpacked as an installer does, dist-info and
+    RECORD included (``autoload=False`` then removes the two start-up files).
+    """
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True, timeout=120)
+    site_packages = Path(sysconfig.get_path("purelib", vars={"base": str(root), "platbase": str(root)}))
+    paths = dependency_paths() if wheel is not None else [str(REPO_ROOT), *dependency_paths()]
+    (site_packages / "_paths.pth").write_text("\n".join(paths) + "\n")
+    if wheel is not None:
+        with zipfile.ZipFile(wheel) as archive:
+            archive.extractall(site_packages)
+    for name in STARTUP_FILES:
+        if not autoload:
+            (site_packages / name).unlink(missing_ok=True)
+        elif wheel is None:
+            shutil.copyfile(REPO_ROOT / name, site_packages / name)
+    return root / "bin" / "python"
+
+
+def venv_site_packages(python: Path) -> Path:
+    root = python.parent.parent
+    return Path(sysconfig.get_path("purelib", vars={"base": str(root), "platbase": str(root)}))
+
+
+def _wheel_builder(out: Path) -> list[str] | None:
+    uv = shutil.which("uv")
+    if uv is None:
+        try:
+            import uv as uv_package  # type: ignore[import-not-found]
+
+            uv = uv_package.find_uv_bin()
+        except ImportError:
+            uv = None
+    if uv is not None:
+        return [uv, "build", "--wheel", "--quiet", "--out-dir", str(out), str(REPO_ROOT)]
+    if importlib.util.find_spec("pip") is not None:
+        return [sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "--wheel-dir", str(out), str(REPO_ROOT)]
+    return None
+
+
+@pytest.fixture(scope="session")
+def built_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """This checkout built into a wheel (``uv build --wheel``, else ``pip wheel --no-deps``)."""
+    out = tmp_path_factory.mktemp("wheel")
+    command = _wheel_builder(out)
+    if command is None:
+        pytest.skip("neither uv nor pip is available to build the wheel")
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
+    assert completed.returncode == 0, completed.stdout + completed.stderr
+    (wheel,) = out.glob("pallas_guard-*.whl")
+    return wheel
