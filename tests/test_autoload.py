@@ -1,59 +1,53 @@
-"""Activation without code changes: the ``.pth`` line and ``sitecustomize``, in real interpreters.
+"""Activation without code changes: the ``.pth`` line, the ``.start`` entry point and
+``sitecustomize``, in real interpreters.
 
 Each test runs a fresh interpreter from a throwaway venv whose site-packages holds the shipped
-``.pth`` file (and a path file making jax and this checkout importable), so site processing at
-start-up is the real one.
+start-up files (and a path file making jax and this checkout importable), or the built wheel
+unpacked, so site processing at start-up is the real one.
 """
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
-import sysconfig
 import textwrap
+import zipfile
 from pathlib import Path
 
 import pytest
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, clean_env, dependency_paths, make_venv, venv_site_packages
 
-from pallas_guard import _autoload, _policy, pytest_plugin
+import pallas_guard_autoload
+from pallas_guard import _install
+from pallas_guard_autoload import DETECT_RACES_ENV, INTERPRETER_ENV, OPTIONS, POLICY_ENV
 
-PTH_FILE = REPO_ROOT / _autoload.PTH_NAME
-ACCEPTED = "'interpret', 'warn', 'strict', 'off'"
-
-
-def _make_venv(root: Path, *, autoload: bool) -> Path:
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True, timeout=60)
-    site_packages = Path(sysconfig.get_path("purelib", vars={"base": str(root), "platbase": str(root)}))
-    # A path file sorting before ours: the checkout first, then where jax lives. Paths listed in a
-    # .pth are added without processing the .pth files inside them.
-    paths = [str(REPO_ROOT), *(p for p in sys.path if p.endswith("site-packages") and os.path.isdir(p))]
-    (site_packages / "_paths.pth").write_text("\n".join(paths) + "\n")
-    if autoload:
-        (site_packages / _autoload.PTH_NAME).write_text(PTH_FILE.read_text())
-    return root / "bin" / "python"
+PTH_FILE = REPO_ROOT / "pallas_guard_autoload.pth"
+START_FILE = REPO_ROOT / "pallas_guard_autoload.start"
 
 
 @pytest.fixture(scope="module")
 def venvs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("venvs")
     return {
-        "autoload": _make_venv(root / "autoload", autoload=True),
-        "plain": _make_venv(root / "plain", autoload=False),
+        "autoload": make_venv(root / "autoload", autoload=True),
+        "plain": make_venv(root / "plain", autoload=False),
     }
 
 
 def run(
-    python: Path, code: str, env: dict[str, str], *, pythonpath: Path | None = None, cwd: Path | None = None
+    python: Path,
+    code: str,
+    env: dict[str, str],
+    *,
+    pythonpath: Path | None = None,
+    cwd: Path | None = None,
+    interpreter_args: tuple[str, ...] = (),
 ) -> subprocess.CompletedProcess[str]:
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith("PALLAS_GUARD_") and k != "PYTHONPATH"}
+    full_env = clean_env({"JAX_PLATFORMS": "cpu", **env}, checkout_on_path=False)
     if pythonpath is not None:
         full_env["PYTHONPATH"] = str(pythonpath)
-    full_env["JAX_PLATFORMS"] = "cpu"
-    full_env.update(env)
     return subprocess.run(
-        [str(python), "-c", textwrap.dedent(code)],
+        [str(python), *interpreter_args, "-c", textwrap.dedent(code)],
         env=full_env,
         cwd=cwd,
         capture_output=True,
@@ -66,7 +60,18 @@ def run(
 LOADED = """
 import sys
 heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib', 'wrapt'))
-print('pallas_guard' in sys.modules, heavy)
+print('pallas_guard' in sys.modules, 'pallas_guard_autoload' in sys.modules, heavy)
+"""
+
+KERNEL = """
+import jax, jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+def add_one_kernel(x_ref, o_ref):  # written for GPU: no interpret=
+    o_ref[...] = x_ref[...] + 1.0
+
+def add_one(x):
+    return pl.pallas_call(add_one_kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
 """
 
 
@@ -74,47 +79,93 @@ def test_pth_file_is_one_constant_line_gated_by_the_policy_variable() -> None:
     lines = PTH_FILE.read_text().splitlines()
     assert len(lines) == 1
     assert lines[0].startswith("import os;")  # site exec()s only lines starting with "import"
-    assert f'os.environ.get("{_policy.POLICY_ENV}", "").strip() and __import__("pallas_guard")' in lines[0]
-    # The pytest plugin cannot import the constant (importing pallas_guard installs the guard).
-    assert pytest_plugin.POLICY_ENV == _policy.POLICY_ENV
+    assert f'os.environ.get("{POLICY_ENV}", "").strip() and __import__("pallas_guard_autoload").activate()' in lines[0]
+
+
+def test_start_file_names_the_same_entry_point() -> None:
+    """PEP 829: one ``pkg.mod:callable`` per line; the same function the .pth line calls."""
+    assert START_FILE.read_text().splitlines() == ["pallas_guard_autoload:activate"]
+    import pkgutil
+
+    assert pkgutil.resolve_name("pallas_guard_autoload:activate") is pallas_guard_autoload.activate
+
+
+def test_startup_module_imports_only_os_and_sys() -> None:
+    """Every process with the variable set imports it: nothing but builtins may come with it."""
+    code = (
+        "import sys; before = set(sys.modules); import pallas_guard_autoload; print(sorted(set(sys.modules) - before))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "['pallas_guard_autoload']"
 
 
 @pytest.mark.parametrize("value", [None, "", "  "])
 def test_unset_or_blank_variable_imports_nothing(venvs: dict[str, Path], value: str | None) -> None:
-    env = {} if value is None else {_policy.POLICY_ENV: value}
+    env = {} if value is None else {POLICY_ENV: value}
     result = run(venvs["autoload"], LOADED, env)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["False", "[]"]
+    assert result.stdout.split() == ["False", "False", "[]"]
     assert result.stderr == ""
 
 
-def test_set_variable_installs_the_guard_without_importing_jax_or_wrapt(venvs: dict[str, Path]) -> None:
+def test_startup_with_the_policy_set_imports_only_the_startup_module(venvs: dict[str, Path]) -> None:
+    """Issue 10, item 5: start-up with the variable set costs one tiny module, not the package."""
+    modules = "import sys; print(' '.join(sorted(sys.modules)))"
+    guarded = run(venvs["autoload"], modules, {POLICY_ENV: "interpret"})
+    plain = run(venvs["plain"], modules, {})
+    assert guarded.returncode == plain.returncode == 0, guarded.stderr + plain.stderr
+    assert set(guarded.stdout.split()) - set(plain.stdout.split()) == {"pallas_guard_autoload"}
+
+
+def test_set_variable_installs_the_guard_when_pallas_is_imported(venvs: dict[str, Path]) -> None:
     code = (
         LOADED
-        + "from pallas_guard import _install, _policy\nprint(_install.status()['requested'], _policy.current_policy())"
+        + "import jax.experimental.pallas as pl\n"
+        + "from pallas_guard import _install, _settings\n"
+        + "status = _install.status()\n"
+        + "print(len(status.patched) > 0, status.requested, _settings.current_policy())"
     )
-    result = run(venvs["autoload"], code, {_policy.POLICY_ENV: "Strict"})
+    result = run(venvs["autoload"], code, {POLICY_ENV: "Strict"})
     assert result.returncode == 0, result.stderr
     first, second = result.stdout.splitlines()
-    assert first.split() == ["True", "[]"]
-    assert second == "True Setting(value=<Policy.STRICT: 'strict'>, source='PALLAS_GUARD_POLICY')"
+    assert first.split() == ["False", "True", "[]"]  # at start-up: the start-up module only
+    assert second == "True True Setting(value=<Policy.STRICT: 'strict'>, source='PALLAS_GUARD_POLICY')"
 
 
-@pytest.mark.parametrize("variable", [_policy.POLICY_ENV, _policy.INTERPRETER_ENV])
+@pytest.mark.parametrize("variable", [POLICY_ENV, INTERPRETER_ENV, DETECT_RACES_ENV])
 def test_bad_value_prints_one_line_at_startup_and_explicit_import_still_raises(
     venvs: dict[str, Path], variable: str
 ) -> None:
-    env = {_policy.POLICY_ENV: "warn", variable: "bogus"}
+    env = {POLICY_ENV: "warn", variable: "bogus"}
     code = "import sys; print('pallas_guard' in sys.modules, flush=True); import pallas_guard"
     result = run(venvs["autoload"], code, env)
     assert result.stdout.split() == ["False"]  # the guard is off, the process started
     startup_lines = [line for line in result.stderr.splitlines() if line.startswith("pallas_guard: ")]
-    assert len(startup_lines) == 1  # once, although a 3.11 venv runs its .pth files twice
-    assert startup_lines[0].startswith(f"pallas_guard: {variable}='bogus' is not a valid pallas_guard ")
+    assert len(startup_lines) == 1  # once, although a 3.11/3.12 venv runs its .pth files twice
+    kind = OPTIONS[next(name for name, o in OPTIONS.items() if o.env == variable)].kind
+    assert startup_lines[0].startswith(f"pallas_guard: {variable}='bogus' is not a valid pallas_guard {kind}; ")
     assert "accepted values" in startup_lines[0] and startup_lines[0].endswith("the guard is off in this process.")
     assert "Error processing line" not in result.stderr and "Traceback (most recent call last)" in result.stderr
     assert result.returncode != 0  # the explicit import raised
     assert result.stderr.strip().splitlines()[-1].startswith(f"pallas_guard.PallasGuardConfigError: {variable}=")
+
+
+def test_a_bad_value_leaves_a_program_without_pallas_guard_running(venvs: dict[str, Path]) -> None:
+    """The one line, then JAX's own behaviour: nothing of ours is imported or installed."""
+    code = KERNEL + "import sys\ntry:\n    add_one(jnp.arange(4.0))\nexcept ValueError as e:\n    print(e)\n"
+    code += "print('pallas_guard' in sys.modules)"
+    result = run(venvs["autoload"], code, {POLICY_ENV: "loud"})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["Only interpret mode is supported on CPU backend.", "False"]
+    assert result.stderr.startswith("pallas_guard: PALLAS_GUARD_POLICY='loud' is not a valid pallas_guard policy")
 
 
 SPAWN_SCRIPT = """
@@ -129,13 +180,14 @@ def run_kernel(_):
 
     x = jnp.arange(4, dtype=jnp.float32)
     y = pl.pallas_call(add_one, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
-    import pallas_guard  # already imported by the autoload: only to read the records
+    import pallas_guard  # already imported by the autoload's hook: only to read the records
     return y.tolist(), [(d.action, d.policy.value) for d in pallas_guard.decisions()]
 
 if __name__ == "__main__":
-    print("parent", "pallas_guard" in sys.modules, "jax" in sys.modules)
-    child = subprocess.run([sys.executable, "-c", "import sys; print('pallas_guard' in sys.modules)"],
-                           capture_output=True, text=True, check=True)
+    import pallas_guard_autoload
+    print("parent", pallas_guard_autoload.activated, "pallas_guard" in sys.modules, "jax" in sys.modules)
+    code = "import pallas_guard_autoload; print(pallas_guard_autoload.activated)"
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     print("subprocess", child.stdout.strip())
     with multiprocessing.get_context("spawn").Pool(1) as pool:
         print("spawned", pool.map(run_kernel, [0])[0])
@@ -148,60 +200,214 @@ def test_subprocesses_and_multiprocessing_spawn_inherit_the_guard(venvs: dict[st
     result = run(
         venvs["autoload"],
         f"import runpy; runpy.run_path({str(script)!r}, run_name='__main__')",
-        {_policy.POLICY_ENV: "interpret"},
+        {POLICY_ENV: "interpret"},
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines() == [
-        "parent True False",
+        "parent True False False",
         "subprocess True",
         "spawned ([1.0, 2.0, 3.0, 4.0], [('interpreted', 'interpret')])",
     ]
 
 
-USER_SITECUSTOMIZE = """
+# --- Python's -W and PYTHONWARNINGS, with pallas_guard installed (not on PYTHONPATH) -------------
+
+WARN_SCRIPT = KERNEL + "print(add_one(jnp.arange(4.0)).tolist())\n"
+
+
+@pytest.mark.parametrize(
+    ("venv", "how", "explicit_import"),
+    [("autoload", "-W", False), ("plain", "PYTHONWARNINGS", True)],
+    ids=["autoload, -W", "import, PYTHONWARNINGS"],
+)
+def test_python_warning_options_naming_the_category_are_honoured(
+    venvs: dict[str, Path], venv: str, how: str, explicit_import: bool
+) -> None:
+    """Issue 10, item 3: Python drops the option at start-up (site-packages is not importable
+    yet) and says so; pallas_guard applies it when it is imported."""
+    option = "error::pallas_guard.PallasGuardWarning"
+    env = {POLICY_ENV: "warn"}
+    if how == "PYTHONWARNINGS":
+        env["PYTHONWARNINGS"] = option
+    code = ("import pallas_guard\n" if explicit_import else "") + WARN_SCRIPT
+    result = run(venvs[venv], code, env, interpreter_args=("-W", option) if how == "-W" else ())
+    assert "Invalid -W option ignored: invalid module name: 'pallas_guard'" in result.stderr  # Python's own line
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert any(
+        line.startswith("pallas_guard.PallasGuardWarning: pallas_guard: ") for line in result.stderr.splitlines()
+    )
+    assert result.stdout == ""
+
+
+def test_a_later_warning_option_wins_as_in_python(venvs: dict[str, Path]) -> None:
+    options = ("-W", "error::pallas_guard.PallasGuardWarning", "-W", "ignore::pallas_guard.PallasGuardWarning")
+    result = run(venvs["autoload"], WARN_SCRIPT, {POLICY_ENV: "warn"}, interpreter_args=options)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[1.0, 2.0, 3.0, 4.0]"
+    assert "PallasGuardWarning" not in result.stderr
+
+
+# --- sitecustomize ---------------------------------------------------------------------------------
+
+ACTIVATE_SITECUSTOMIZE = """
+import pallas_guard_autoload
+pallas_guard_autoload.activate()
+print("user sitecustomize ran to the end")
+"""
+
+IMPORT_SITECUSTOMIZE = """
 import pallas_guard
 print("user sitecustomize ran to the end")
 """
 
 
-def test_sitecustomize_importing_pallas_guard_installs_it(venvs: dict[str, Path], tmp_path: Path) -> None:
-    (tmp_path / "sitecustomize.py").write_text(USER_SITECUSTOMIZE)
+def test_sitecustomize_calling_activate_is_the_autoload(venvs: dict[str, Path], tmp_path: Path) -> None:
+    (tmp_path / "sitecustomize.py").write_text(ACTIVATE_SITECUSTOMIZE)
     code = (
-        "from pallas_guard import _install, _policy\n"
-        "print(_install.status()['requested'], _policy.current_policy().value)"
+        LOADED
+        + KERNEL
+        + "add_one(jnp.arange(4.0))\nimport pallas_guard\nprint([d.action for d in pallas_guard.decisions()])"
     )
-    result = run(venvs["plain"], code, {_policy.POLICY_ENV: "interpret"}, pythonpath=tmp_path)
+    result = run(venvs["plain"], code, {POLICY_ENV: "interpret"}, pythonpath=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["user sitecustomize ran to the end", "False True []", "['interpreted']"]
+
+
+def test_sitecustomize_calling_activate_with_a_bad_value_behaves_as_the_autoload(
+    venvs: dict[str, Path], tmp_path: Path
+) -> None:
+    """Issue 10, item 4: one line at start-up, the program runs, an explicit import raises."""
+    (tmp_path / "sitecustomize.py").write_text(ACTIVATE_SITECUSTOMIZE)
+    code = "print('running', flush=True)\nimport pallas_guard"
+    result = run(venvs["plain"], code, {POLICY_ENV: "loud"}, pythonpath=tmp_path)
+    assert result.stdout.splitlines() == ["user sitecustomize ran to the end", "running"]
+    lines = result.stderr.strip().splitlines()
+    assert lines[0].startswith("pallas_guard: PALLAS_GUARD_POLICY='loud' is not a valid pallas_guard policy")
+    assert lines[-1].startswith("pallas_guard.PallasGuardConfigError: PALLAS_GUARD_POLICY='loud'")
+    assert result.returncode == 1
+
+
+def test_sitecustomize_importing_pallas_guard_installs_it(venvs: dict[str, Path], tmp_path: Path) -> None:
+    (tmp_path / "sitecustomize.py").write_text(IMPORT_SITECUSTOMIZE)
+    code = """
+    from pallas_guard import _install, _settings
+    print(_install.status().requested, _settings.current_policy().value.value)
+    """
+    result = run(venvs["plain"], code, {POLICY_ENV: "interpret"}, pythonpath=tmp_path)
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines() == ["user sitecustomize ran to the end", "True interpret"]
 
 
-def test_sitecustomize_with_a_bad_value_keeps_running_and_leaves_the_guard_off(
+def test_sitecustomize_importing_pallas_guard_with_a_bad_value_keeps_running_and_the_api_raises(
     venvs: dict[str, Path], tmp_path: Path
 ) -> None:
-    (tmp_path / "sitecustomize.py").write_text(USER_SITECUSTOMIZE)
-    code = "from pallas_guard import _install; print(_install.status()['requested'])"
-    result = run(venvs["plain"], code, {_policy.POLICY_ENV: "loud"}, pythonpath=tmp_path)
-    assert result.stdout.splitlines() == ["user sitecustomize ran to the end", "False"]
+    """Issue 10, item 4: no silently guard-less module that says ``warn``: the API names the variable."""
+    (tmp_path / "sitecustomize.py").write_text(IMPORT_SITECUSTOMIZE)
+    code = """
+    import pallas_guard
+    from pallas_guard import _install
+    print(_install.status().requested, flush=True)
+    for call in (pallas_guard.get_policy, pallas_guard.install):
+        try:
+            print(call())
+        except pallas_guard.PallasGuardConfigError as error:
+            print("raised", str(error).split(" is not")[0])
+    """
+    result = run(venvs["plain"], code, {POLICY_ENV: "loud"}, pythonpath=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        "user sitecustomize ran to the end",
+        "False",
+        "raised PALLAS_GUARD_POLICY='loud'",
+        "raised PALLAS_GUARD_POLICY='loud'",
+    ]
+    accepted = OPTIONS["policy"].accepted
     assert result.stderr.splitlines() == [
         f"pallas_guard: PALLAS_GUARD_POLICY='loud' is not a valid pallas_guard policy; accepted values "
-        f"(case-insensitive): {ACCEPTED}; the guard is off in this process."
+        f"(case-insensitive): {accepted}; the guard is off in this process."
     ]
 
 
 def test_users_own_sitecustomize_keeps_running_beside_the_autoload(venvs: dict[str, Path], tmp_path: Path) -> None:
     (tmp_path / "sitecustomize.py").write_text("import sys\nsys.user_sitecustomize_ran = True\n")
     code = LOADED + "print(sys.user_sitecustomize_ran)"
-    result = run(venvs["autoload"], code, {_policy.POLICY_ENV: "warn"}, pythonpath=tmp_path)
+    result = run(venvs["autoload"], code, {POLICY_ENV: "warn"}, pythonpath=tmp_path)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["True", "[]", "True"]
+    assert result.stdout.split() == ["False", "True", "[]", "True"]
 
 
 def test_startup_detection_is_false_in_ordinary_code(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert not _autoload.during_site_startup()
+    assert not _install.during_site_startup()
     monkeypatch.setattr(sys, "argv", ["/venv/bin/pallas-guard", "doctor"])
-    assert _autoload.cli_startup()
+    assert _install.cli_startup()
     monkeypatch.setattr(sys, "argv", ["-m"])
     monkeypatch.setattr(sys, "orig_argv", ["python", "-X", "importtime", "-m", "pallas_guard", "doctor"])
-    assert _autoload.cli_startup()
+    assert _install.cli_startup()
     monkeypatch.setattr(sys, "orig_argv", ["python", "-m", "pytest", "-m", "pallas_guard"])
-    assert not _autoload.cli_startup()  # `-m pallas_guard` there is pytest's marker expression
+    assert not _install.cli_startup()  # `-m pallas_guard` there is pytest's marker expression
+
+
+# --- the wheel: both start-up files, and the PEP 829 entry point as CPython 3.15's site calls it ---
+
+
+def test_the_wheel_ships_the_start_file_beside_the_pth(built_wheel: Path) -> None:
+    """Issue 10, item 6: Python >= 3.15 runs the .start entry point (and ignores the .pth import line)."""
+    with zipfile.ZipFile(built_wheel) as archive:
+        names = set(archive.namelist())
+        assert archive.read("pallas_guard_autoload.start").decode() == START_FILE.read_text()
+        assert archive.read("pallas_guard_autoload.pth").decode() == PTH_FILE.read_text()
+    for top_level in ("pallas_guard_autoload.py", "pallas_guard_pytest.py", "pallas_guard/__init__.py"):
+        assert top_level in names
+
+
+SITE_315 = (
+    """
+# What CPython 3.15's site does with <name>.start files (PEP 829), after the path extensions:
+# every non-blank, non-comment line is a "pkg.mod:callable" entry point, resolved with
+# pkgutil.resolve_name() and called with no arguments.
+import os, pkgutil, sys
+site_packages, dependencies = sys.argv[1], sys.argv[2:]
+sys.path.append(site_packages)
+sys.path.extend(dependencies)
+for name in sorted(os.listdir(site_packages)):
+    if name.endswith(".start") and not name.startswith("."):
+        with open(os.path.join(site_packages, name), encoding="utf-8-sig") as file:
+            for line in file:
+                line = line.strip()
+                if line and not line.startswith("#"):
+                    pkgutil.resolve_name(line)()
+print("at start-up:", "pallas_guard" in sys.modules, sys.modules["pallas_guard_autoload"].activated, flush=True)
+"""
+    + KERNEL
+    + """
+print(add_one(jnp.arange(4.0)).tolist())
+import pallas_guard
+print(len(pallas_guard._install.status().patched) > 0, [(d.action, d.policy.value) for d in pallas_guard.decisions()])
+"""
+)
+
+
+def test_the_start_entry_point_called_as_python_315_calls_it_activates_the_guard(
+    built_wheel: Path, tmp_path: Path
+) -> None:
+    """Issue 10, item 6: a fresh interpreter without site (-S), the wheel unpacked, its .start
+    processed as PEP 829 says; only the entry point can have activated the guard."""
+    python = make_venv(tmp_path / "venv", autoload=True, wheel=built_wheel)
+    site_packages = venv_site_packages(python)
+    (site_packages / "pallas_guard_autoload.pth").unlink()  # ignored by 3.15 anyway: prove it is not needed
+    result = subprocess.run(
+        [sys.executable, "-S", "-c", SITE_315, str(site_packages), *dependency_paths()],
+        env=clean_env({POLICY_ENV: "interpret", "JAX_PLATFORMS": "cpu"}, checkout_on_path=False),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        "at start-up: False True",
+        "[1.0, 2.0, 3.0, 4.0]",
+        "True [('interpreted', 'interpret')]",
+    ]
+    assert result.stderr == ""
