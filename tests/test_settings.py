@@ -1,4 +1,4 @@
-"""Settings: parsing, sources, process policy and contextvar scopes."""
+"""Settings: the OPTIONS table, parsing, sources and precedence, the process values and scopes."""
 
 from __future__ import annotations
 
@@ -6,10 +6,148 @@ import asyncio
 import threading
 
 import pytest
+from conftest import run_python
 
 import pallas_guard
-from pallas_guard import Interpreter, PallasGuardConfigError, Policy
-from pallas_guard._policy import POLICY_ENV, current_policy, parse_policy, policy_from_env
+from pallas_guard import Interpreter, PallasGuardConfigError, Policy, _settings
+from pallas_guard._settings import current_interpreter, current_policy, parse
+from pallas_guard_autoload import (
+    DETECT_RACES_ENV,
+    INTERPRETER_ENV,
+    OPTIONS,
+    POLICY_ENV,
+    guard_wanted,
+    read_environment,
+)
+
+
+@pytest.fixture(autouse=True)
+def _no_guard_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    for option in OPTIONS.values():
+        monkeypatch.delenv(option.env, raising=False)
+    _settings.reset()
+
+
+# --- the table ---------------------------------------------------------------------------------------
+
+
+def test_options_declare_each_setting_once() -> None:
+    assert {name: (o.env, o.kind, o.default) for name, o in OPTIONS.items()} == {
+        "policy": (POLICY_ENV, "policy", "warn"),
+        "interpreter": (INTERPRETER_ENV, "interpreter", "auto"),
+        "detect_races": (DETECT_RACES_ENV, "boolean", False),
+    }
+    # The public enums and the table accept the same words, listed in the same order.
+    for name, enum_cls in (("policy", Policy), ("interpreter", Interpreter)):
+        assert OPTIONS[name].accepted == ", ".join(repr(member.value) for member in enum_cls)
+        for member in enum_cls:
+            assert OPTIONS[name].parse(member.value.upper(), "test") == member.value
+    assert all(option.help for option in OPTIONS.values())
+
+
+@pytest.mark.parametrize(
+    ("name", "raw", "expected"),
+    [
+        ("policy", " Strict\n", "strict"),
+        ("interpreter", "\tTPU", "tpu"),
+        ("detect_races", "Yes", True),
+        ("detect_races", " off ", False),
+        ("detect_races", "0", False),
+    ],
+)
+def test_every_option_parses_case_and_whitespace_insensitively(name: str, raw: str, expected: object) -> None:
+    assert OPTIONS[name].parse(raw, "test") == expected
+    assert OPTIONS[name].from_environment({OPTIONS[name].env: raw}) == expected
+
+
+def test_read_environment_returns_the_variables_that_are_set() -> None:
+    environ = {POLICY_ENV: " Strict ", DETECT_RACES_ENV: "yes", INTERPRETER_ENV: "  ", "OTHER": "x"}
+    assert read_environment(environ) == {"policy": "strict", "detect_races": True}
+    assert read_environment({}) == {}
+    with pytest.raises(
+        PallasGuardConfigError, match="PALLAS_GUARD_DETECT_RACES='maybe' is not a valid pallas_guard boolean"
+    ):
+        read_environment({DETECT_RACES_ENV: "maybe"})
+
+
+def test_only_the_policy_variable_asks_for_the_guard() -> None:
+    assert guard_wanted({POLICY_ENV: "warn"})
+    assert not guard_wanted({POLICY_ENV: " "})
+    assert not guard_wanted({INTERPRETER_ENV: "plain", DETECT_RACES_ENV: "1"})
+
+
+# --- precedence: scope > API > variable > default ---------------------------------------------------
+
+
+def test_precedence_scope_then_api_then_variable_then_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert current_policy() == (Policy.WARN, "default")
+    _settings.reset()
+    monkeypatch.setenv(POLICY_ENV, "strict")
+    assert current_policy() == (Policy.STRICT, POLICY_ENV)
+    pallas_guard.set_policy("off")
+    assert current_policy() == (Policy.OFF, "set_policy()")
+    with pallas_guard.policy("interpret"):
+        assert current_policy() == (Policy.INTERPRET, "pallas_guard.policy() scope")
+    assert current_policy() == (Policy.OFF, "set_policy()")
+
+
+def test_each_setting_has_its_own_source(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(INTERPRETER_ENV, "tpu")
+    pallas_guard.install("strict")
+    assert current_policy() == (Policy.STRICT, "install(policy=...)")
+    assert current_interpreter() == (Interpreter.TPU, INTERPRETER_ENV)
+
+
+def test_a_bare_install_keeps_values_given_through_the_api(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 10, item 4: the variable applies until the API sets a value, then no more."""
+    monkeypatch.setenv(POLICY_ENV, "warn")
+    pallas_guard.set_policy("strict")
+    pallas_guard.install()
+    assert current_policy() == (Policy.STRICT, "set_policy()")
+    pallas_guard.install(interpreter="plain")
+    pallas_guard.install()
+    assert current_policy() == (Policy.STRICT, "set_policy()")
+    assert current_interpreter() == (Interpreter.PLAIN, "install(interpreter=...)")
+
+
+RELOAD = """
+import importlib, pallas_guard
+pallas_guard.set_policy("strict")
+pallas_guard.install()
+print("bare install():", pallas_guard.get_policy().value)
+importlib.reload(pallas_guard)
+print("reload:", pallas_guard.get_policy().value)
+from pallas_guard import _install, _settings
+print(_install.status().requested, _settings.current_policy().source)
+"""
+
+
+def test_set_policy_survives_a_bare_install_and_a_reload_in_a_fresh_process() -> None:
+    """Issue 10, item 4: neither resets a set_policy() to the environment's value."""
+    result = run_python(RELOAD, env={POLICY_ENV: "warn"})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["bare install(): strict", "reload: strict", "True set_policy()"]
+
+
+def test_a_bad_variable_makes_the_api_raise_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Settings load on first use: a bad variable is an error there, never a silent default."""
+    monkeypatch.setenv(INTERPRETER_ENV, "cuda")
+    for call in (pallas_guard.get_policy, pallas_guard.install):
+        with pytest.raises(PallasGuardConfigError, match="PALLAS_GUARD_INTERPRETER='cuda' is not a valid"):
+            call()
+
+
+def test_a_look_alike_value_is_printed_escaped() -> None:
+    """Issue 10, item 7: 'warn' with a Cyrillic omega for the w, beside the accepted 'warn', must look different."""
+    result = run_python("import pallas_guard", env={POLICY_ENV: "\u0461arn"})
+    last_line = result.stderr.strip().splitlines()[-1]
+    assert last_line.startswith("pallas_guard.PallasGuardConfigError: PALLAS_GUARD_POLICY='\\u0461arn' is not")
+    assert "\u0461" not in result.stderr
+    with pytest.raises(PallasGuardConfigError, match=r"set_policy\(policy\)='\\u0461arn' is not"):
+        pallas_guard.set_policy("\u0461arn")
+
+
+# --- parsing, as every surface sees it -------------------------------------------------------------
 
 BAD_VALUES = [
     "bogus",
@@ -33,7 +171,7 @@ BAD_VALUES = [
 @pytest.mark.parametrize("raw", ["interpret", "WARN", "  Strict  ", "oFf\n", "\tinterpret"])
 def test_env_policy_is_case_and_whitespace_insensitive(raw: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(POLICY_ENV, raw)
-    assert policy_from_env() is Policy(raw.strip().lower())
+    assert current_policy() == (Policy(raw.strip().lower()), POLICY_ENV)
 
 
 @pytest.mark.parametrize("raw", [None, "", "   "])
@@ -54,14 +192,14 @@ def test_bad_env_policy_names_variable_value_and_accepted(raw: str, monkeypatch:
     message = str(info.value)
     assert isinstance(info.value, ValueError)
     assert POLICY_ENV in message
-    assert repr(raw) in message
+    assert ascii(raw) in message
     for accepted in ("'interpret'", "'warn'", "'strict'", "'off'"):
         assert accepted in message
 
 
 @pytest.mark.parametrize("bad", [1, 2.5, b"warn", ["warn"], object()])
 def test_api_wrong_type_is_type_error_naming_argument(bad: object) -> None:
-    with pytest.raises(TypeError, match=r"set_policy\(policy\) must be a str or pallas_guard.Policy"):
+    with pytest.raises(TypeError, match=r"set_policy\(policy\) must be a str, got"):
         pallas_guard.set_policy(bad)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"install\(policy=\.\.\.\)"):
         pallas_guard.install(bad)  # type: ignore[arg-type]
@@ -102,7 +240,7 @@ def test_strings_and_members_are_accepted() -> None:
     assert pallas_guard.get_policy() is Policy.OFF
     pallas_guard.set_policy(" Interpret ")
     assert pallas_guard.get_policy() is Policy.INTERPRET
-    assert parse_policy(Policy.STRICT) is Policy.STRICT
+    assert parse("policy", Policy.STRICT, "test") is Policy.STRICT
     assert Policy.WARN == "warn"
     assert isinstance(Policy.WARN, str)
 

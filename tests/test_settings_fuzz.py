@@ -1,7 +1,7 @@
 """Bad input refused: any string for a setting is either a valid value or the documented error.
 
 The documented shape (README, "Settings"): ``PallasGuardConfigError`` (a ``ValueError``) saying
-``<source>=<value!r> is not a valid pallas_guard <kind>; accepted values (case-insensitive): ...``,
+``<source>=<ascii(value)> is not a valid pallas_guard <kind>; accepted values (case-insensitive): ...``,
 and ``TypeError`` naming the argument for a value of the wrong type. Never another exception,
 never a silent default. (An empty or blank variable counts as unset, as documented.)
 """
@@ -17,11 +17,12 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import pallas_guard
-from pallas_guard import Interpreter, PallasGuardConfigError, Policy, _install, _policy
+from pallas_guard import Interpreter, PallasGuardConfigError, Policy, _install, _settings
+from pallas_guard_autoload import DETECT_RACES_ENV, INTERPRETER_ENV, OPTIONS, POLICY_ENV
 
 KINDS: dict[str, tuple[type[Policy] | type[Interpreter], str]] = {
-    _policy.POLICY_ENV: (Policy, "policy"),
-    _policy.INTERPRETER_ENV: (Interpreter, "interpreter"),
+    POLICY_ENV: (Policy, "policy"),
+    INTERPRETER_ENV: (Interpreter, "interpreter"),
 }
 
 
@@ -31,7 +32,7 @@ def _accepted(enum_cls: type[Policy] | type[Interpreter]) -> str:
 
 def _documented_message(source: str, value: str, enum_cls: type[Policy] | type[Interpreter], kind: str) -> str:
     return (
-        f"{source}={value!r} is not a valid pallas_guard {kind}; "
+        f"{source}={value!a} is not a valid pallas_guard {kind}; "
         f"accepted values (case-insensitive): {_accepted(enum_cls)}"
     )
 
@@ -58,19 +59,24 @@ any_setting = st.one_of(env_text, near_misses)
 
 @pytest.fixture
 def clean_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
-    for name in (_policy.POLICY_ENV, _policy.INTERPRETER_ENV, _policy.DETECT_RACES_ENV):
-        monkeypatch.delenv(name, raising=False)
+    for option in OPTIONS.values():
+        monkeypatch.delenv(option.env, raising=False)
     yield monkeypatch
 
 
 def _env_outcome(name: str, value: str) -> Any:
+    """What the process sees: None for the default, the value, or the error (through the settings)."""
     os.environ[name] = value
+    _settings.reset()
+    option = "policy" if name == POLICY_ENV else "interpreter"
     try:
-        return _policy.policy_from_env() if name == _policy.POLICY_ENV else _policy.interpreter_from_env()
+        setting = _settings.current(option)
+        return None if setting.source == "default" else setting.value
     except PallasGuardConfigError as error:
         return error
     finally:
         del os.environ[name]
+        _settings.reset()
 
 
 @pytest.mark.parametrize("name", list(KINDS))
@@ -189,8 +195,8 @@ def test_wrong_types_name_the_argument(clean_env: pytest.MonkeyPatch, surface: s
     with pytest.raises(TypeError) as error:
         call(value)
     text = str(error.value)
-    assert text.startswith(f"{source} must be a str or pallas_guard.{enum_cls.__name__}, got {type(value).__name__}")
-    assert _accepted(enum_cls) in text
+    assert text.startswith(f"{source} must be a str, got {type(value).__name__} ")
+    assert text.endswith(f"accepted values: {_accepted(enum_cls)}")
     assert _install.status() == before
 
 
@@ -206,14 +212,21 @@ def test_members_of_the_other_enum_are_refused_by_value(clean_env: pytest.Monkey
 @settings(max_examples=200, deadline=None)
 @given(value=any_setting)
 def test_detect_races_is_a_strict_boolean(value: str) -> None:
-    try:
-        parsed = _policy.parse_bool(value, source=_policy.DETECT_RACES_ENV)
-    except PallasGuardConfigError as error:
-        assert str(error).startswith(f"{_policy.DETECT_RACES_ENV}={value!r} is not a valid boolean; accepted values")
-        assert value.strip().lower() not in TRUE_WORDS | FALSE_WORDS
-    else:
-        assert parsed is (value.strip().lower() in TRUE_WORDS)
+    option = OPTIONS["detect_races"]
+    if not value.strip():
+        assert option.from_environment({DETECT_RACES_ENV: value}) is None  # blank is unset: the default
+        return
+    word = value.strip().lower()
+    if word in TRUE_WORDS | FALSE_WORDS:
+        assert option.from_environment({DETECT_RACES_ENV: value}) is (word in TRUE_WORDS)
+        return
+    with pytest.raises(PallasGuardConfigError) as error:
+        option.from_environment({DETECT_RACES_ENV: value})
+    assert str(error.value) == (
+        f"{DETECT_RACES_ENV}={value!a} is not a valid pallas_guard boolean; "
+        f"accepted values (case-insensitive): {option.accepted}"
+    )
 
 
 TRUE_WORDS = {"1", "true", "yes", "on", "y", "t"}
-FALSE_WORDS = {"", "0", "false", "no", "off", "n", "f"}
+FALSE_WORDS = {"0", "false", "no", "off", "n", "f"}
