@@ -6,18 +6,18 @@ import os
 import subprocess
 import sys
 from importlib import metadata
+from pathlib import Path
 
 import pytest
-from conftest import REPO_ROOT
+from conftest import clean_env, make_venv
 
 pytest_plugins = ("pytester",)
 
 # Installed (the pytest11 entry point loads the plugin by itself) or only on PYTHONPATH.
 _ENTRY_POINT = any(
-    ep.name == "pallas_guard" and ep.value == "pallas_guard.pytest_plugin"
-    for ep in metadata.entry_points(group="pytest11")
+    ep.name == "pallas_guard" and ep.value == "pallas_guard_pytest" for ep in metadata.entry_points(group="pytest11")
 )
-PLUGIN = () if _ENTRY_POINT else ("-p", "pallas_guard.pytest_plugin")
+PLUGIN = () if _ENTRY_POINT else ("-p", "pallas_guard_pytest")
 
 KERNELS = """
 import jax
@@ -66,11 +66,11 @@ class TestMarkedClass:
 
 @pytest.fixture
 def tester(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.Pytester:
-    for name in list(os.environ):
-        if name.startswith("PALLAS_GUARD_"):
-            monkeypatch.delenv(name)
-    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
+    environment = clean_env({"JAX_PLATFORMS": "cpu"})
+    for name in set(os.environ) - set(environment):
+        monkeypatch.delenv(name)
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
     return pytester
 
 
@@ -104,13 +104,13 @@ def test_without_a_policy_the_guard_stays_off_until_imported(tester: pytest.Pyte
         import sys
 
         def test_untouched():
-            assert "pallas_guard" not in sys.modules  # the plugin took its own import back
+            assert "pallas_guard" not in sys.modules  # the plugin imports it only when it acts
 
         def test_explicit_import_installs_as_documented():
             import pallas_guard
             from pallas_guard import _install
 
-            assert _install.status()["requested"] and pallas_guard.get_policy() == "warn"
+            assert _install.status().requested and pallas_guard.get_policy() == "warn"
         """
     )
     result = runpytest(tester)
@@ -138,6 +138,38 @@ def test_bad_values_are_usage_errors(tester: pytest.Pytester, ini: str, args: tu
     result.stderr.fnmatch_lines(
         [f"ERROR: pallas_guard: {message}*'interpret'*" if "policy" in message else f"*{message}*"]
     )
+
+
+@pytest.mark.parametrize(
+    ("env", "args"),
+    [({"PALLAS_GUARD_POLICY": "bogus"}, ()), ({"PALLAS_GUARD_INTERPRETER": "bogus"}, ("--pallas-guard-policy=warn",))],
+    ids=["bad policy variable", "bad interpreter variable, policy option"],
+)
+def test_a_bad_variable_is_a_usage_error_when_the_plugin_acts(
+    tester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, env: dict[str, str], args: tuple[str, ...]
+) -> None:
+    """Issue 10, item 2: exit 4 and one line naming the variable and the value, not a crash."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    tester.makepyfile(test_nothing="def test_nothing():\n    pass\n")
+    result = runpytest(tester, *args)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR == 4
+    (variable, value), kind = next(iter(env.items())), "policy" if "POLICY" in next(iter(env)) else "interpreter"
+    result.stderr.fnmatch_lines([f"ERROR: pallas_guard: {variable}={value!r} is not a valid pallas_guard {kind}; *"])
+    assert "Traceback" not in result.stderr.str() and "Error while loading plugin" not in result.stderr.str()
+
+
+@pytest.mark.parametrize("variable", ["PALLAS_GUARD_INTERPRETER", "PALLAS_GUARD_DETECT_RACES"])
+def test_a_bad_variable_does_not_touch_a_run_the_plugin_has_no_business_in(
+    tester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, variable: str
+) -> None:
+    """Issue 10, item 2: no policy anywhere, so the plugin does not act; the project's tests run."""
+    monkeypatch.setenv(variable, "bogus")
+    tester.makepyfile(test_nothing="def test_nothing():\n    pass\n")
+    result = runpytest(tester)
+    result.assert_outcomes(passed=1)
+    assert result.ret == pytest.ExitCode.OK
+    result.stdout.fnmatch_lines(["pallas_guard: inactive *"])
 
 
 def test_bad_marker_is_a_usage_error_naming_the_test(tester: pytest.Pytester) -> None:
@@ -197,3 +229,108 @@ def test_refused():
     assert result.returncode == 0, result.stdout + result.stderr
     assert "pallas_guard: policy strict (from PALLAS_GUARD_POLICY)" in result.stdout
     assert "1 Pallas kernel(s): 0 interpreted, 1 refused, 0 left alone; in 1 test(s)" in result.stdout
+
+
+# --- warnings: the filters decide, whoever set the policy ---------------------------------------
+
+WARNING_TESTS = (
+    KERNELS
+    + """
+
+def test_first():
+    add_one(jnp.ones(8))
+
+
+def test_second():  # the same call site in add_one; a new shape, so a new lowering
+    add_one(jnp.ones(16))
+"""
+)
+
+
+@pytest.mark.parametrize("policy_from", ["option", "ini"])
+def test_filterwarnings_error_for_the_category_applies_with_the_policy_from_the_plugin(
+    tester: pytest.Pytester, policy_from: str
+) -> None:
+    """Issue 10, item 3: one PallasGuardWarning class per process, so the ini filter matches."""
+    ini = "[pytest]\nfilterwarnings =\n    error::pallas_guard.PallasGuardWarning\n"
+    args: tuple[str, ...] = ("--pallas-guard-policy=warn",)
+    if policy_from == "ini":
+        ini += "pallas_guard_policy = warn\n"
+        args = ()
+    tester.makefile(".ini", pytest=ini)
+    tester.makepyfile(test_warned=WARNING_TESTS)
+    result = runpytest(tester, *args)
+    result.assert_outcomes(failed=2)
+    result.stdout.fnmatch_lines(["FAILED test_warned.py::test_first - pallas_guard.PallasGuardWarning*"])
+
+
+def test_under_error_every_test_through_one_call_site_fails(tester: pytest.Pytester) -> None:
+    """Issue 10, item 3: no once-per-call-site memory of our own; pytest resets the registry per test."""
+    tester.makepyfile(test_warned=WARNING_TESTS)
+    result = runpytest(tester, "--pallas-guard-policy=warn", "-W", "error::pallas_guard.PallasGuardWarning")
+    result.assert_outcomes(failed=2)
+
+
+def test_pytest_warns_sees_the_warning_in_every_test(tester: pytest.Pytester) -> None:
+    tester.makepyfile(
+        test_warns=KERNELS
+        + """
+import pallas_guard
+
+
+@pytest.mark.parametrize("size", [8, 16, 24])
+def test_warns(size):  # one call site, one lowering each
+    with pytest.warns(pallas_guard.PallasGuardWarning, match="lowering for the CPU"):
+        add_one(jnp.ones(size))
+"""
+    )
+    result = runpytest(tester, "--pallas-guard-policy=warn")
+    result.assert_outcomes(passed=3)
+
+
+# --- a real environment: the wheel installed, the autoload on ---------------------------------------
+
+
+@pytest.fixture(scope="module")
+def installed(built_wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A venv with the built wheel unpacked into site-packages (.pth, .start, dist-info, RECORD)."""
+    return make_venv(tmp_path_factory.mktemp("installed") / "venv", autoload=True, wheel=built_wheel)
+
+
+@pytest.mark.parametrize("workers", [(), ("-n", "2")], ids=["one process", "-n 2"])
+def test_filterwarnings_error_suite_runs_with_the_autoload_active(
+    installed: Path, tmp_path: Path, workers: tuple[str, ...]
+) -> None:
+    """Issue 10, item 1: pytest marks every top-level module of our wheel for assertion rewriting;
+    the start-up module it finds already imported must not make it warn (an error here)."""
+    (tmp_path / "pytest.ini").write_text("[pytest]\nfilterwarnings =\n    error\n")
+    (tmp_path / "test_x.py").write_text(
+        KERNELS
+        + """
+
+def test_plain():
+    assert 1
+
+
+def test_kernel():
+    assert float(add_one(X)[0]) == 1.0
+    import pallas_guard
+
+    assert [d.action for d in pallas_guard.decisions()] == ["interpreted"]
+"""
+    )
+    env = clean_env({"PALLAS_GUARD_POLICY": "interpret", "JAX_PLATFORMS": "cpu"}, checkout_on_path=False)
+    result = subprocess.run(
+        [str(installed), "-m", "pytest", "-p", "no:cacheprovider", *workers],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "2 passed" in result.stdout
+    assert "PytestAssertRewriteWarning" not in result.stdout + result.stderr
+    assert "pallas_guard: policy interpret (from PALLAS_GUARD_POLICY)" in result.stdout
+    assert "1 Pallas kernel(s): 1 interpreted (plain: 1), 0 refused, 0 left alone; in 1 test(s)" in result.stdout
