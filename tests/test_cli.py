@@ -8,23 +8,24 @@ import re
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
-from conftest import REPO_ROOT
+from conftest import clean_env
 
-from pallas_guard import _autoload, _cli, _policy
+from pallas_guard import PallasGuardConfigError, _cli, _target
+from pallas_guard_autoload import DETECT_RACES_ENV, INTERPRETER_ENV, POLICY_ENV
 
-AUTOLOAD_INSTALLED = bool(_autoload.installed_pth_files())
+AUTOLOAD_INSTALLED = bool(_cli.installed_startup_files())
 
 
-def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith("PALLAS_GUARD_")}
-    full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), full_env.get("PYTHONPATH")]))
-    full_env["JAX_PLATFORMS"] = "cpu"
-    full_env.update(env or {})
+def cli(
+    *args: str, env: dict[str, str] | None = None, cwd: Path | None = None, timeout: float = 240
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "pallas_guard", *args],
-        env=full_env,
+        env=clean_env({"JAX_PLATFORMS": "cpu", **(env or {})}),
+        cwd=cwd,
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -65,15 +66,26 @@ def test_bad_arguments_exit_2_with_argparse_errors(
     assert err.startswith("usage: pallas-guard") and message in err
 
 
-def test_run_environment_always_sets_the_policy_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_run_environment_always_sets_the_policy_variable() -> None:
     base = {"PATH": "/bin"}
-    assert _cli.guarded_environment(None, None, base) == {"PATH": "/bin", _policy.POLICY_ENV: "warn"}
-    assert _cli.guarded_environment("STRICT", "tpu", base)[_policy.INTERPRETER_ENV] == "tpu"
-    monkeypatch.setenv(_policy.POLICY_ENV, " Interpret ")
-    assert _cli.guarded_environment(None, None, base)[_policy.POLICY_ENV] == "interpret"
-    monkeypatch.setenv(_policy.INTERPRETER_ENV, "cuda")
-    with pytest.raises(_policy.PallasGuardConfigError, match="PALLAS_GUARD_INTERPRETER='cuda'"):
-        _cli.guarded_environment(None, None, base)
+    assert _cli.guarded_environment(None, None, base) == {"PATH": "/bin", POLICY_ENV: "warn"}
+    assert _cli.guarded_environment("STRICT", "tpu", base)[INTERPRETER_ENV] == "tpu"
+    assert _cli.guarded_environment(None, None, {POLICY_ENV: " Interpret "})[POLICY_ENV] == "interpret"
+    with pytest.raises(PallasGuardConfigError, match="PALLAS_GUARD_INTERPRETER='cuda'"):
+        _cli.guarded_environment(None, None, {**base, INTERPRETER_ENV: "cuda"})
+    with pytest.raises(PallasGuardConfigError, match="PALLAS_GUARD_DETECT_RACES='maybe'"):
+        _cli.guarded_environment("strict", None, {**base, DETECT_RACES_ENV: "maybe"})
+
+
+@pytest.mark.parametrize(
+    ("variable", "kind"), [(POLICY_ENV, "policy"), (INTERPRETER_ENV, "interpreter"), (DETECT_RACES_ENV, "boolean")]
+)
+def test_run_refuses_a_bad_variable_before_running_anything(variable: str, kind: str) -> None:
+    """Issue 10, item 4: every PALLAS_GUARD_* variable is checked, PALLAS_GUARD_DETECT_RACES too."""
+    result = cli("run", "--policy", "warn", "--", sys.executable, "-c", "print('ran')", env={variable: "maybe"})
+    assert result.returncode == _cli.EXIT_USAGE == 2
+    assert result.stdout == ""
+    assert f"pallas-guard run: error: {variable}='maybe' is not a valid pallas_guard {kind}; accepted" in result.stderr
 
 
 def test_doctor_reports_a_healthy_cpu_environment() -> None:
@@ -93,14 +105,47 @@ def test_doctor_reports_a_healthy_cpu_environment() -> None:
 
 
 def test_doctor_json_names_an_invalid_variable_and_exits_1() -> None:
-    result = cli("doctor", "--json", env={_policy.POLICY_ENV: "loud"})
+    result = cli("doctor", "--json", env={POLICY_ENV: "loud"})
     assert result.returncode == _cli.EXIT_PROBLEMS == 1
     report = json.loads(result.stdout)
     assert report["exit_code"] == 1
-    assert report["settings"]["environment"][_policy.POLICY_ENV] == "loud"
+    assert report["settings"]["environment"][POLICY_ENV] == "loud"
     assert any("PALLAS_GUARD_POLICY='loud' is not a valid" in problem for problem in report["problems"])
     assert report["verdict"].startswith("A PALLAS_GUARD_* value is invalid")
     assert report["jax"]["backends"]["default_backend"] == "cpu"
+
+
+def test_doctor_prints_a_look_alike_value_escaped() -> None:
+    """Issue 10, item 7: a Cyrillic omega in 'warn' must not look like the accepted 'warn'."""
+    result = cli("doctor", env={POLICY_ENV: "\u0461arn"})
+    assert result.returncode == _cli.EXIT_PROBLEMS
+    assert "PALLAS_GUARD_POLICY='\\u0461arn' is not a valid pallas_guard policy" in result.stdout
+    assert "\u0461" not in result.stdout.split("environment", 1)[1].split("\n", 1)[1]  # only the raw variable row
+
+
+@pytest.mark.skipif(
+    any(p.startswith("jax-cuda") for p in _target.installed_accelerator_plugins()), reason="a CUDA plugin is installed"
+)
+def test_doctor_with_an_unavailable_configured_accelerator_tells_the_truth() -> None:
+    """Issue 10, item 7: JAX_PLATFORMS=cuda without CUDA: the problem names the error, the verdict
+    says kernels fail (not that they "will compile for cuda")."""
+    result = cli("doctor", env={"JAX_PLATFORMS": "cuda"})
+    assert result.returncode == _cli.EXIT_PROBLEMS, result.stderr
+    problem = next(line for line in result.stdout.splitlines() if "JAX could not initialise a backend" in line)
+    assert not re.search(r"Error: ?$", problem), problem  # never an empty "AssertionError: "
+    assert re.search(r"initialise a backend: \w+(Error|Exception)\b.{8,}", problem), problem
+    verdict = result.stdout.split("verdict: ", 1)[1]
+    assert verdict.startswith("JAX is configured for cuda but could not initialise it (")
+    assert "will compile for" not in verdict
+
+
+def test_doctor_ignores_a_dist_info_folder_in_the_working_directory(tmp_path: Path) -> None:
+    """Issue 10, item 7: plugins are looked up where the interpreter loads them from."""
+    (tmp_path / "libtpu-9.9.9.dist-info").mkdir()
+    result = cli("doctor", "--json", cwd=tmp_path)
+    report = json.loads(result.stdout)
+    assert not any(plugin.startswith("libtpu") for plugin in report["accelerators"]["plugins"])
+    assert not any("libtpu" in line and "installed:" in line for line in report["accelerators"]["evidence"])
 
 
 def test_doctor_works_without_jax() -> None:
@@ -108,10 +153,8 @@ def test_doctor_works_without_jax() -> None:
         "import sys; sys.modules['jax'] = None  # `import jax` now fails, as when it is not installed\n"
         "from pallas_guard._cli import main; sys.exit(main(['doctor']))"
     )
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PALLAS_GUARD_")}
-    env["PYTHONPATH"] = str(REPO_ROOT)
     result = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=False
+        [sys.executable, "-c", code], env=clean_env(), capture_output=True, text=True, timeout=120, check=False
     )
     assert result.returncode == 1, result.stderr
     assert re.search(r"^  jax / jaxlib +NOT INSTALLED$", result.stdout, re.MULTILINE)
@@ -121,7 +164,7 @@ def test_doctor_works_without_jax() -> None:
 def test_run_sets_the_environment_and_passes_the_exit_code_through() -> None:
     child = (
         "import os, sys; print(os.environ['PALLAS_GUARD_POLICY'], os.environ['PALLAS_GUARD_INTERPRETER'], "
-        "'pallas_guard' in sys.modules); sys.exit(7)"
+        "getattr(sys.modules.get('pallas_guard_autoload'), 'activated', False)); sys.exit(7)"
     )
     result = cli("run", "--policy", "strict", "--interpreter", "plain", "--", sys.executable, "-c", child)
     assert result.returncode == 7, result.stderr
@@ -142,11 +185,9 @@ def test_run_delivers_signals_to_the_command() -> None:
         "signal.signal(signal.SIGTERM, lambda *a: (print('got SIGTERM', flush=True), sys.exit(3)))\n"
         "print('ready', flush=True); time.sleep(60)"
     )
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PALLAS_GUARD_")}
-    env["PYTHONPATH"] = str(REPO_ROOT)
     with subprocess.Popen(
         [sys.executable, "-m", "pallas_guard", "run", "--", sys.executable, "-c", child],
-        env=env,
+        env=clean_env(),
         stdout=subprocess.PIPE,
         text=True,
     ) as process:
