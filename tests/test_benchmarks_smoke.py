@@ -40,6 +40,27 @@ def test_run_quick_steady_row_prints_the_table_and_json(tmp_path: Path) -> None:
     assert report["rows"][0]["status"] == cells[5]
 
 
+def test_startup_rows_measure_the_pth_line_and_the_start_entry_point(tmp_path: Path) -> None:
+    """Row 1 in two pairs: 1a, 1b (.pth), 1b' (.start), and the 1c evidence that start-up imports
+    ``pallas_guard_autoload`` and nothing else of ours."""
+    out = tmp_path / "bench.json"
+    completed = subprocess.run(
+        [sys.executable, "benchmarks/run.py", "--quick", "--only", "startup", "--pairs", "2", "--json", str(out)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert completed.returncode in (0, 1), completed.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["name"].split()[0] for row in rows] == ["1a.", "1b.", "1b'.", "1c."]
+    assert ".pth" in rows[1]["name"] and ".start" in rows[2]["name"]
+    evidence = rows[3]
+    assert evidence["status"] == "pass", evidence
+    assert evidence["note"].startswith("modules of ours: pallas_guard_autoload; ")
+
+
 def test_run_rejects_an_unknown_row() -> None:
     """--only with a name that is not a row: argparse error naming it, exit code 2."""
     completed = subprocess.run(
