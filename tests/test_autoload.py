@@ -239,6 +239,18 @@ def test_python_warning_options_naming_the_category_are_honoured(
     assert result.stdout == ""
 
 
+def test_a_message_filter_needs_no_import_at_startup(venvs: dict[str, Path]) -> None:
+    """README's alternative: match our messages (they start with "pallas_guard:"), not the category."""
+    result = run(
+        venvs["autoload"], WARN_SCRIPT, {POLICY_ENV: "warn"}, interpreter_args=("-W", "error:pallas_guard:UserWarning")
+    )
+    assert "Invalid -W option ignored" not in result.stderr
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert any(
+        line.startswith("pallas_guard.PallasGuardWarning: pallas_guard: ") for line in result.stderr.splitlines()
+    )
+
+
 def test_a_later_warning_option_wins_as_in_python(venvs: dict[str, Path]) -> None:
     options = ("-W", "error::pallas_guard.PallasGuardWarning", "-W", "ignore::pallas_guard.PallasGuardWarning")
     result = run(venvs["autoload"], WARN_SCRIPT, {POLICY_ENV: "warn"}, interpreter_args=options)
@@ -305,22 +317,22 @@ def test_sitecustomize_importing_pallas_guard_with_a_bad_value_keeps_running_and
     (tmp_path / "sitecustomize.py").write_text(IMPORT_SITECUSTOMIZE)
     code = """
     import pallas_guard
-    from pallas_guard import _install
-    print(_install.status().requested, flush=True)
     for call in (pallas_guard.get_policy, pallas_guard.install):
         try:
-            print(call())
+            print(call(), flush=True)
         except pallas_guard.PallasGuardConfigError as error:
-            print("raised", str(error).split(" is not")[0])
+            print("raised", str(error).split(" is not")[0], flush=True)
+    from pallas_guard import _install
+    print("requested:", _install.status().requested)
     """
     result = run(venvs["plain"], code, {POLICY_ENV: "loud"}, pythonpath=tmp_path)
-    assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines() == [
         "user sitecustomize ran to the end",
-        "False",
         "raised PALLAS_GUARD_POLICY='loud'",
         "raised PALLAS_GUARD_POLICY='loud'",
+        "requested: False",
     ]
+    assert result.returncode == 0, result.stderr
     accepted = OPTIONS["policy"].accepted
     assert result.stderr.splitlines() == [
         f"pallas_guard: PALLAS_GUARD_POLICY='loud' is not a valid pallas_guard policy; accepted values "
