@@ -125,8 +125,9 @@ print(_install.status().requested, _settings.current_policy().source)
 def test_set_policy_survives_a_bare_install_and_a_reload_in_a_fresh_process() -> None:
     """Issue 10, item 4: neither resets a set_policy() to the environment's value."""
     result = run_python(RELOAD, env={POLICY_ENV: "warn"})
+    assert result.stdout.splitlines()[:2] == ["bare install(): strict", "reload: strict"], result.stderr
     assert result.returncode == 0, result.stderr
-    assert result.stdout.splitlines() == ["bare install(): strict", "reload: strict", "True set_policy()"]
+    assert result.stdout.splitlines()[2:] == ["True set_policy()"]
 
 
 def test_a_bad_variable_makes_the_api_raise_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
