@@ -32,8 +32,14 @@ POLICY_ENV = "PALLAS_GUARD_POLICY"
 """Activates the guard (with the autoload) and sets its policy."""
 INTERPRETER_ENV = "PALLAS_GUARD_INTERPRETER"
 """Forces one interpreter instead of the per-kernel choice."""
+CHECKS_ENV = "PALLAS_GUARD_CHECKS"
+"""Checks the interpreters apply: ``races``, ``bounds``, ``all`` or ``none``."""
 DETECT_RACES_ENV = "PALLAS_GUARD_DETECT_RACES"
-"""``1``: run kernels in TPU interpret mode with race detection."""
+"""``1``: the older spelling of ``PALLAS_GUARD_CHECKS=races``."""
+MAX_STEPS_ENV = "PALLAS_GUARD_MAX_STEPS"
+"""The most grid steps an interpreted kernel may run."""
+PALLAS_INTERPRET_ENV = "PALLAS_INTERPRET"
+"""Read by other Pallas projects: truthy means policy ``interpret`` when ``PALLAS_GUARD_POLICY`` is unset."""
 PALLAS_MODULE = "jax.experimental.pallas"
 
 
@@ -52,7 +58,7 @@ def _shown(value: object) -> str:
 class Option:
     """One setting: its variable, how a value is parsed, what is accepted, its default."""
 
-    __slots__ = ("accepted", "default", "env", "help", "kind", "name", "parse_word")
+    __slots__ = ("accepted", "alias", "also", "default", "env", "help", "kind", "name", "parse_word", "word_of")
 
     def __init__(  # noqa: PLR0917 - one row of the OPTIONS table, read positionally
         self,
@@ -63,6 +69,9 @@ class Option:
         accepted: str,
         default: object,
         help: str,
+        word_of: "Callable[[object], str | None]" = lambda value: None,
+        alias: "Option | None" = None,
+        also: str = "",
     ) -> None:
         self.name = name
         self.env = env
@@ -71,17 +80,19 @@ class Option:
         self.accepted = accepted
         self.default = default
         self.help = help
+        self.word_of = word_of  # a non-str API value (an int, a list) -> its word, or None: wrong type
+        self.alias = alias  # another variable that sets this option when this one is unset
+        self.also = also  # the types word_of accepts, for the error: " or int"
 
     def parse(self, value: object, source: str) -> "Any":
-        """``value`` (a str, or already a value of this option) parsed, or an error naming ``source``."""
-        if not isinstance(value, str):
-            if self.kind == "boolean" and isinstance(value, bool):
-                return value
+        """``value`` (a str, or a value of an accepted type) parsed, or an error naming ``source``."""
+        word = value if isinstance(value, str) else self.word_of(value)
+        if word is None:
             raise TypeError(
-                f"{source} must be a str{' or bool' if self.kind == 'boolean' else ''}, got "
-                f"{type(value).__name__} {_shown(value)}; accepted values: {self.accepted}"
+                f"{source} must be a str{self.also}, got {type(value).__name__} {_shown(value)}; "
+                f"accepted values: {self.accepted}"
             )
-        parsed = self.parse_word(value.strip().lower())
+        parsed = self.parse_word(word.strip().lower())
         if parsed is None:
             raise PallasGuardConfigError(
                 f"{source}={_shown(value)} is not a valid pallas_guard {self.kind}; "
@@ -89,12 +100,26 @@ class Option:
             )
         return parsed
 
-    def from_environment(self, environ: "Mapping[str, str] | None" = None) -> "Any":
-        """The value the variable sets, or None when it is unset or blank; raises on a bad value."""
+    def setting_from_environment(self, environ: "Mapping[str, str] | None" = None) -> "tuple[Any, str] | None":
+        """``(value, variable)`` from this option's variable, else from its alias; None when neither
+        is set (or the alias says "nothing"); raises on a bad value, naming the variable."""
         raw = (os.environ if environ is None else environ).get(self.env)
-        if raw is None or not raw.strip():
-            return None
-        return self.parse(raw, self.env)
+        if raw is not None and raw.strip():
+            return self.parse(raw, self.env), self.env
+        if self.alias is not None:
+            found = self.alias.setting_from_environment(environ)
+            if found is not None and found[0] is not _NOTHING:
+                return found
+        return None
+
+    def from_environment(self, environ: "Mapping[str, str] | None" = None) -> "Any":
+        """The value the environment sets, or None when it sets none; raises on a bad value."""
+        found = self.setting_from_environment(environ)
+        return None if found is None else found[0]
+
+
+_NOTHING = object()
+"""What an alias's falsy value means: the option is not set (``PALLAS_INTERPRET=0``)."""
 
 
 def _choice(*words: str) -> "Callable[[str], str | None]":
@@ -110,6 +135,34 @@ def _boolean(word: str) -> bool | None:
     return True if word in _TRUE else False if word in _FALSE else None
 
 
+def _word_of_bool(value: object) -> str | None:
+    return ("1" if value else "0") if isinstance(value, bool) else None
+
+
+def _steps(word: str) -> int | None:
+    return int(word) if word.isdigit() and int(word) > 0 else None
+
+
+def _word_of_int(value: object) -> str | None:
+    return str(value) if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+CHECKS = ("races", "bounds")
+
+
+def _checks(word: str) -> "frozenset[str] | None":
+    if word in ("all", "none"):
+        return frozenset(CHECKS if word == "all" else ())
+    parts = {part.strip() for part in word.split(",") if part.strip()}
+    return frozenset(parts) if parts and parts <= set(CHECKS) else None
+
+
+def _word_of_checks(value: object) -> str | None:
+    if isinstance(value, (list, tuple, set, frozenset)) and all(isinstance(part, str) for part in value):
+        return ",".join(value) if value else "none"
+    return None
+
+
 OPTIONS = {
     option.name: option
     for option in (
@@ -122,6 +175,15 @@ OPTIONS = {
             "warn",
             "what happens to a Pallas kernel that would lower for the CPU without interpret=: "
             "interpret, warn (interpret + a warning), strict (raise) or off",
+            alias=Option(
+                "policy",
+                PALLAS_INTERPRET_ENV,
+                "PALLAS_INTERPRET value",
+                lambda word: "interpret" if word in _TRUE else _NOTHING if word in _FALSE else None,
+                ", ".join(sorted(_TRUE)) + " (policy interpret) / " + ", ".join(sorted(_FALSE)) + ", or empty",
+                None,
+                "the variable other Pallas projects read; truthy means policy interpret",
+            ),
         ),
         Option(
             "interpreter",
@@ -133,32 +195,59 @@ OPTIONS = {
             "which interpreter runs those kernels: auto (chosen per kernel), plain, tpu or gpu",
         ),
         Option(
-            "detect_races",
-            DETECT_RACES_ENV,
-            "boolean",
-            _boolean,
-            ", ".join(sorted(_TRUE)) + " / " + ", ".join(sorted(_FALSE)) + ", or empty",
-            False,
-            "run kernels in TPU interpret mode with its race detector; a race raises PallasGuardError",
+            "checks",
+            CHECKS_ENV,
+            "set of checks",
+            _checks,
+            "'races', 'bounds' (comma-separated), 'all' or 'none'",
+            frozenset(),
+            "run kernels in the interpreter that can check them: races (data races), bounds "
+            "(out-of-bounds reads raise)",
+            word_of=_word_of_checks,
+            also=" or a list of str",
+            alias=Option(
+                "checks",
+                DETECT_RACES_ENV,
+                "boolean",
+                lambda word: frozenset({"races"}) if word in _TRUE else _NOTHING if word in _FALSE else None,
+                ", ".join(sorted(_TRUE)) + " / " + ", ".join(sorted(_FALSE)) + ", or empty",
+                None,
+                f"the older spelling of {CHECKS_ENV}=races",
+            ),
+        ),
+        Option(
+            "max_steps",
+            MAX_STEPS_ENV,
+            "step budget",
+            _steps,
+            "a positive integer (grid steps), or unset for no budget",
+            None,
+            "the most grid steps an interpreted kernel may run; a kernel over it is not run",
+            word_of=_word_of_int,
+            also=" or int",
         ),
     )
 }
 """Every setting, declared once: ``install()``, ``policy()``, the pytest plugin and the CLI use it."""
 
 
-def read_environment(environ: "Mapping[str, str] | None" = None) -> "dict[str, Any]":
-    """``{option name: value}`` for every variable that is set; raises on the first bad one."""
-    found: dict[str, Any] = {}
+def read_environment(environ: "Mapping[str, str] | None" = None) -> "dict[str, tuple[Any, str]]":
+    """``{option name: (value, variable)}`` for every option the environment sets; raises on the
+    first bad value."""
+    found: dict[str, tuple[Any, str]] = {}
     for name, option in OPTIONS.items():
-        value = option.from_environment(environ)
-        if value is not None:
-            found[name] = value
+        setting = option.setting_from_environment(environ)
+        if setting is not None:
+            found[name] = setting
     return found
 
 
 def guard_wanted(environ: "Mapping[str, str] | None" = None) -> bool:
-    """Whether the environment asks for the guard in every process (the policy variable is set)."""
-    return bool((os.environ if environ is None else environ).get(POLICY_ENV, "").strip())
+    """Whether the environment asks for the guard in every process: the policy variable is set, or
+    ``PALLAS_INTERPRET`` is (any value but a falsy one; a bad one is reported at start-up)."""
+    environ = os.environ if environ is None else environ
+    interpret = environ.get(PALLAS_INTERPRET_ENV, "").strip().lower()
+    return bool(environ.get(POLICY_ENV, "").strip()) or bool(interpret and interpret not in _FALSE)
 
 
 # --- the post-import hook ----------------------------------------------------------------------

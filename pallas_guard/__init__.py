@@ -9,6 +9,8 @@ PYTEST_DONT_REWRITE (nothing to rewrite here; pytest would warn if we were impor
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from pallas_guard_autoload import PallasGuardConfigError
 
 from . import _errors, _install, _record, _settings
@@ -49,20 +51,21 @@ def set_policy(policy: Policy | str) -> None:
 
 
 def policy(
-    policy: Policy | str | None = None, *, interpreter: Interpreter | str | None = None
+    policy: Policy | str | None = None,
+    *,
+    interpreter: Interpreter | str | None = None,
+    checks: str | Iterable[str] | None = None,
+    max_steps: int | str | None = None,
 ) -> _settings.AbstractContextManager[None]:
-    """Override the policy (and/or interpreter) inside a ``with`` block; thread- and task-local.
+    """Override settings inside a ``with`` block; thread- and task-local.
 
-    Bad values raise here, before the block. The policy applies when a function is traced: a
-    function jitted before the block keeps its executable (``jax.clear_caches()`` to re-trace).
+    ``checks``: ``"races"``, ``"bounds"`` (a comma list or an iterable), ``"all"`` or ``"none"``;
+    ``max_steps``: the most grid steps an interpreted kernel may run. Bad values raise here, before
+    the block. Settings apply when a function is traced: a function jitted before the block keeps
+    its executable (``jax.clear_caches()`` to re-trace).
     """
-    source = "pallas_guard.policy() scope"
-    overrides = {}
-    for name, value in (("policy", policy), ("interpreter", interpreter)):
-        if value is not None:
-            where = "policy(policy)" if name == "policy" else f"policy({name}=...)"
-            overrides[name] = _settings.Setting(_settings.parse(name, value, where), source)
-    return _settings.scope(overrides)
+    given = {"policy": policy, "interpreter": interpreter, "checks": checks, "max_steps": max_steps}
+    return _settings.scope(_settings.given(given, call="policy", source="pallas_guard.policy() scope"))
 
 
 def decisions() -> list[Decision]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from pallas_guard_autoload import INTERPRETER_ENV
 
 from . import _diagnostics, _record
@@ -21,6 +23,8 @@ def carry_out(
     policy: Setting[Policy],
     interpreter: str | None = None,
     tried: tuple[str, ...] = (),
+    grid: tuple[Any, ...] | None = None,
+    budget: Setting[int | None] | None = None,
 ) -> None:
     """Refuse (raise ``PallasGuardError``), or warn and record what ``plan`` does with ``kernel``.
 
@@ -46,8 +50,21 @@ def carry_out(
                 layer=layer,
                 warned=warned,
                 tried=tried,
+                steps=plan.steps,
+                policy_source=policy.source,
             )
 
+    if plan.action is Action.REFUSE and plan.over_budget:
+        record("refused")
+        assert grid is not None and plan.steps is not None and budget is not None
+        raise _diagnostics.over_budget(
+            kernel=kernel,
+            call_site=call_site,
+            grid=grid,
+            steps=plan.steps,
+            interpreter=interpreter or "plain",
+            budget=budget,
+        )
     if plan.action is Action.REFUSE:
         shown = policy
         if plan.fallback is not None:

@@ -11,7 +11,7 @@ import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Literal, NamedTuple
 
-from pallas_guard_autoload import DETECT_RACES_ENV, INTERPRETER_ENV, POLICY_ENV
+from pallas_guard_autoload import CHECKS_ENV, INTERPRETER_ENV, MAX_STEPS_ENV, POLICY_ENV
 
 from . import _interpreters
 from ._enums import Policy
@@ -178,9 +178,9 @@ def message(
     if race:
         head = (
             f"pallas_guard: a data race was detected in {what}, run in {tried} with race detection "
-            f"({DETECT_RACES_ENV}=1); the detector's RACE DETECTED report above names the buffers."
+            f"({CHECKS_ENV}=races); the detector's RACE DETECTED report above names the buffers."
         )
-        return "\n".join([head, f"To run without race detection: unset {DETECT_RACES_ENV}."])
+        return "\n".join([head, f"To run without race detection: leave races out of {CHECKS_ENV}."])
     if failure is not None:
         chosen = f" (chosen because: {why_interpreter})" if why_interpreter else ""
         lines = [
@@ -287,20 +287,47 @@ def no_interpreter(
     return PallasGuardError("\n".join(lines))
 
 
-def race_error(*, kernel: KernelInfo, call_site: CallSite) -> PallasGuardError:
+def race_error(*, kernel: KernelInfo, call_site: CallSite, interpreter: str = "tpu") -> PallasGuardError:
     text = message(
         refused=False,
         kernel=kernel,
         call_site=call_site,
         target=Target("cpu", ()),
         policy=Setting(Policy.INTERPRET, "race detection"),
-        interpreter="tpu",
+        interpreter=interpreter,
         race=True,
     )
     return PallasGuardError(text)
 
 
-def check_races(out: Any, *, kernel: KernelInfo, call_site: CallSite) -> None:
+def over_budget(
+    *,
+    kernel: KernelInfo,
+    call_site: CallSite,
+    grid: tuple[Any, ...],
+    steps: int,
+    interpreter: str,
+    budget: Setting[int | None],
+) -> PallasGuardError:
+    """A kernel whose interpreted grid has more steps than the budget: not run."""
+    error = PallasGuardError(
+        f"pallas_guard: {_describe(kernel, call_site)} was not run: its grid {grid} has {steps} steps, "
+        f"more than the step budget of {budget.value} (from {budget.source}) for kernels run in "
+        f"{_interpreters.describe_interpreter(interpreter)}.\n"
+        "To fix: use smaller shapes in this test, or larger blocks (fewer grid steps); or raise the "
+        f"budget ({MAX_STEPS_ENV}, install(max_steps=...), policy(max_steps=...)); in pytest, "
+        "pallas_guard_over_budget = skip skips such tests instead."
+    )
+    error.pallas_guard_over_budget = True  # type: ignore[attr-defined]  # the pytest plugin skips on it
+    return error
+
+
+def warn_unchecked(*, kernel: KernelInfo, call_site: CallSite, why: str) -> None:
+    """Checks were asked for but cannot apply to this kernel (a family no checking interpreter runs)."""
+    _warn_at(call_site, f"pallas_guard: {_describe(kernel, call_site)} runs unchecked: {why}.")
+
+
+def check_races(out: Any, *, kernel: KernelInfo, call_site: CallSite, interpreter: str = "tpu") -> None:
     """Raise ``PallasGuardError`` naming ``kernel`` if TPU interpret mode found a race running it.
 
     Run eagerly, the kernel has finished when this returns and the error is raised here; traced
@@ -312,8 +339,8 @@ def check_races(out: Any, *, kernel: KernelInfo, call_site: CallSite) -> None:
     from . import _internals
 
     def raise_if_race(*_: Any) -> None:
-        if _internals.races_found():
-            raise race_error(kernel=kernel, call_site=call_site)
+        if _internals.races_found(interpreter):
+            raise race_error(kernel=kernel, call_site=call_site, interpreter=interpreter)
 
     leaves = jax.tree_util.tree_leaves(out)
     if not leaves:
@@ -341,6 +368,11 @@ def warn(*, kernel: KernelInfo, call_site: CallSite, target: Target, policy: Set
         policy=policy,
         interpreter=interpreter,
     )
+    _warn_at(call_site, text)
+    return True
+
+
+def _warn_at(call_site: CallSite, text: str) -> None:
     filename, _, line = (call_site.user or "").rpartition(":")
     if filename and line.isdigit():
         # warn_explicit puts the warning on the user's line even from inside a lowering rule,
@@ -348,5 +380,4 @@ def warn(*, kernel: KernelInfo, call_site: CallSite, target: Target, policy: Set
         registry = _registries.setdefault(filename, {})
         warnings.warn_explicit(text, PallasGuardWarning, filename, int(line), registry=registry)
     else:
-        warnings.warn(text, PallasGuardWarning, stacklevel=2)
-    return True
+        warnings.warn(text, PallasGuardWarning, stacklevel=3)

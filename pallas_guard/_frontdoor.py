@@ -33,6 +33,13 @@ class _KernelCall:
     def body(self) -> Any:
         return self.entry.body(self.args, self.kwargs)
 
+    @functools.cached_property
+    def grid(self) -> tuple[Any, ...] | None:
+        grid = self.kwargs.get("grid")
+        if grid is None:
+            grid = getattr(self.kwargs.get("grid_spec"), "grid", None)
+        return (grid,) if isinstance(grid, int) else tuple(grid) if grid is not None else None
+
     def given_body(self, body: Any) -> None:
         """A decorator form received its body: diagnostics name it from now on."""
         self.__dict__["body"] = body
@@ -51,10 +58,12 @@ class _KernelCall:
         return _interpreters.kernel_facts(self.entry.label, self.body, self.kwargs, mesh=mesh)
 
     def candidates(self) -> _interpreters.Candidates:
+        checks = _settings.current("checks")
         chosen = _interpreters.candidates(
             _settings.current_interpreter(),
             self.facts,
-            detect_races=_settings.detect_races(),
+            checks=frozenset(checks.value),
+            checks_from=checks.source,
             inside_lowering=_internals.inside_lowering(),
         )
         # An interpreter this jax lacks is no candidate.
@@ -148,6 +157,8 @@ class _Guarded:
     def commit(self, name: str, tried: tuple[str, ...] = ()) -> None:
         """Carry the plan out for interpreter ``name``: warn and record here when the front door
         injects it; plain is the net's (it warns and records at lowering, with ``tried``)."""
+        if self.candidates.unchecked is not None:
+            _diagnostics.warn_unchecked(kernel=self.call.info, call_site=self.call_site, why=self.candidates.unchecked)
         value = self.value(name)
         if value is None:
             _state.note_verified(self.call.info.defined_at, tried)
@@ -266,7 +277,7 @@ class _Guarded:
                 wrapped = self.build(name)
             out = self.run(wrapped, name, *args, **kwargs)
             if self.candidates.detect_races:
-                _diagnostics.check_races(out, kernel=self.call.info, call_site=self.call_site)
+                _diagnostics.check_races(out, kernel=self.call.info, call_site=self.call_site, interpreter=name)
             return out
 
         return _kernel_wrapper_class()(kernel_callable, pallas_guard_kernel)
@@ -291,6 +302,8 @@ def wrap_entry_point(original: Callable[..., Any], entry: EntryPoint, installati
             net_gap=installation.lowering_net_gap(entry),
             accelerator_plugins=bool(_target.installed_accelerator_plugins()),
             candidates=call.candidates,
+            grid=call.grid,
+            max_steps=_settings.max_steps().value,
         )
         return _enter(wrapped, call, situation)
 
@@ -312,8 +325,17 @@ def _enter(wrapped: Callable[..., Any], call: _KernelCall, situation: _plan.Situ
     target = _target.detect()
     call_site = _diagnostics.user_call_site()
     if plan.action is _plan.Action.REFUSE:
-        refused = _fallback(target, plan)
-        _act.carry_out(plan, layer="front door", kernel=call.info, call_site=call_site, target=refused, policy=policy)
+        _act.carry_out(
+            plan,
+            layer="front door",
+            kernel=call.info,
+            call_site=call_site,
+            target=_fallback(target, plan),
+            policy=policy,
+            interpreter=call.candidates().names[0] if plan.over_budget else None,
+            grid=call.grid,
+            budget=_settings.max_steps(),
+        )
     return _Guarded(call, wrapped, plan, target, policy, call_site).first()
 
 

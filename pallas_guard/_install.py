@@ -7,6 +7,7 @@ import dataclasses
 import os
 import sys
 import threading
+from collections.abc import Iterable
 from types import ModuleType
 from typing import Any
 
@@ -183,19 +184,21 @@ def _is_ours(value: object) -> bool:
 installation = Installation()
 
 
-def install(policy: Policy | str | None = None, *, interpreter: Interpreter | str | None = None) -> None:
+def install(
+    policy: Policy | str | None = None,
+    *,
+    interpreter: Interpreter | str | None = None,
+    checks: str | Iterable[str] | None = None,
+    max_steps: int | str | None = None,
+) -> None:
     """Install the guard (idempotent). Settings not given keep a value set earlier through the API,
     else come from the ``PALLAS_GUARD_*`` variables.
 
     Raises ``PallasGuardConfigError`` (a ``ValueError``) for a bad variable or argument value and
     ``TypeError`` for an argument of the wrong type, before changing anything.
     """
-    given = {}
-    for name, value in (("policy", policy), ("interpreter", interpreter)):
-        if value is not None:
-            source = f"install({name}=...)"
-            given[name] = _settings.Setting(_settings.parse(name, value, source), source)
-    installation.install(given)
+    given = {"policy": policy, "interpreter": interpreter, "checks": checks, "max_steps": max_steps}
+    installation.install(_settings.given(given, call="install"))
 
 
 def uninstall() -> None:

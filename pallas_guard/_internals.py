@@ -252,25 +252,24 @@ def backend_family(obj: object) -> str | None:
     return BACKEND_MODULES.get(type(obj).__module__)
 
 
-def tpu_interpret_module() -> types.ModuleType | None:
-    """The module holding TPU interpret mode's global state (``races``), as found in this jax."""
-    for name in (
-        "jax._src.pallas.mosaic.interpret.interpret_pallas_call",  # 0.8.0+
-        "jax._src.pallas.mosaic.interpret",  # 0.6.2 - 0.7.x (a module, not a package)
-    ):
-        module = import_optional(name)
-        if module is not None and hasattr(module, "races"):
-            return module
+# Where each interpreter keeps its race detector's state: (module, attribute), newest first.
+_RACE_STATES = {
+    "tpu": (
+        ("jax._src.pallas.mosaic.interpret.interpret_pallas_call", "races"),  # 0.8.0+
+        ("jax._src.pallas.mosaic.interpret", "races"),  # 0.6.2 - 0.7.x (a module, not a package)
+    ),
+    "gpu": (("jax._src.pallas.mosaic_gpu.interpret.gpu_callbacks", "_races"),),
+}
+
+
+def races_found(interpreter: str = "tpu") -> bool | None:
+    """Whether ``interpreter``'s race detector flagged the last kernel; None if unknown."""
+    for module_name, attribute in _RACE_STATES.get(interpreter, ()):
+        module = import_optional(module_name)
+        if module is not None and hasattr(module, attribute):
+            return bool(getattr(getattr(module, attribute), "races_found", False))
+    note_missing(f"{interpreter.upper()} interpret mode race state", "races cannot be reported as PallasGuardError")
     return None
-
-
-def races_found() -> bool | None:
-    """Whether TPU interpret mode's race detector flagged the last kernel; None if unknown."""
-    module = tpu_interpret_module()
-    if module is None:
-        note_missing("TPU interpret mode race state", "races cannot be reported as PallasGuardError")
-        return None
-    return bool(getattr(getattr(module, "races", None), "races_found", False))
 
 
 def running_in(module_names: frozenset[str]) -> bool:

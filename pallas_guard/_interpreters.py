@@ -18,7 +18,7 @@ import types
 from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple
 
-from pallas_guard_autoload import DETECT_RACES_ENV
+from pallas_guard_autoload import CHECKS_ENV
 
 from . import _internals
 from ._enums import Interpreter
@@ -52,7 +52,11 @@ class Candidates(NamedTuple):
     verify: bool = False
     """The facts are ambiguous: check the first candidate (a trial lowering) before committing."""
     detect_races: bool = False
-    """TPU interpret mode with race detection: a race is reported as ``PallasGuardError``."""
+    """The interpreter's race detector on: a race is reported as ``PallasGuardError``."""
+    checked: frozenset[str] = frozenset()
+    """The checks (``races``, ``bounds``) the chosen interpreter applies."""
+    unchecked: str | None = None
+    """Checks that were asked for but cannot apply to this kernel, and why (a warning says so)."""
     eager_dmas: bool = False
     """TPU interpret mode with eager DMA execution (cross-device kernels)."""
 
@@ -234,30 +238,61 @@ def kernel_facts(entry_point: str, body: object, kwargs: Mapping[str, Any], mesh
 # --- the choice ---------------------------------------------------------------------------------
 
 
-def candidates(  # noqa: PLR0911 - one return per rule, in priority order
+def candidates(
     setting: Setting[Interpreter],
     facts: KernelFacts = GENERIC,
     *,
-    detect_races: bool = False,
+    checks: frozenset[str] = frozenset(),
+    checks_from: str = CHECKS_ENV,
     inside_lowering: bool = False,
 ) -> Candidates:
     """The interpreters for one kernel, best first: the user's forced one, else by the kernel's facts.
 
     The order and what is verified come from measurements on JAX's own kernels and on third-party
-    libraries (README, "How the interpreter is chosen").
+    libraries (README, "How the interpreter is chosen"). ``checks`` (races, bounds) move a kernel to
+    the interpreter that can check it: TPU interpret mode for TPU-style kernels, the Mosaic-GPU
+    interpreter for Mosaic-GPU ones; a kernel neither can run keeps its interpreter, unchecked
+    (``Candidates.unchecked`` says why).
     """
     if inside_lowering:
         # Traced from another primitive's lowering rule: TPU/GPU params would need effect tokens
         # that lowering has no place for (KeyError: OrderedIOEffect); the net's plain one works.
-        return PLAIN_ONLY._replace(reason="traced during lowering, where only the plain interpreter can be used")
+        chosen = PLAIN_ONLY._replace(reason="traced during lowering, where only the plain interpreter can be used")
+        return chosen._replace(unchecked=_unchecked(checks, chosen.reason))
     forced = setting.value
-    if detect_races and forced is not Interpreter.PLAIN and facts.family in (None, "mosaic_tpu"):
+    if checks and forced in (Interpreter.AUTO, Interpreter.TPU) and facts.family in (None, "mosaic_tpu"):
         return Candidates(
             ("tpu",),
-            f"TPU interpret mode with race detection ({DETECT_RACES_ENV}=1)",
-            detect_races=True,
+            f"TPU interpret mode, which checks {', '.join(sorted(checks))} (from {checks_from})",
+            detect_races="races" in checks,
             eager_dmas=facts.cross_device is not None,
+            checked=checks,
         )
+    if checks and forced in (Interpreter.AUTO, Interpreter.GPU) and facts.family == "mosaic_gpu":
+        return Candidates(
+            ("gpu",),
+            f"the Mosaic-GPU interpreter, which checks {', '.join(sorted(checks))} (from {checks_from})",
+            detect_races="races" in checks,
+            checked=checks,
+        )
+    chosen = _by_facts(setting, facts)
+    if checks:
+        why = (
+            f"interpreter {forced.value!r} is forced by {setting.source}"
+            if forced is not Interpreter.AUTO
+            else f"{_FAMILY_NAMES.get(facts.family or '', 'these')} kernels run in the plain interpreter, "
+            "which checks neither races nor out-of-bounds reads"
+        )
+        chosen = chosen._replace(unchecked=_unchecked(checks, why))
+    return chosen
+
+
+def _unchecked(checks: frozenset[str], why: str) -> str | None:
+    return f"{', '.join(sorted(checks))} could not be checked: {why}" if checks else None
+
+
+def _by_facts(setting: Setting[Interpreter], facts: KernelFacts) -> Candidates:  # noqa: PLR0911
+    forced = setting.value
     if forced is not Interpreter.AUTO:
         return Candidates(
             (forced.value,),
@@ -333,9 +368,11 @@ def params(name: str, chosen: Candidates) -> Any:
         # With the default "on_wait" DMA execution, remote copies land late: the all-gather kernel
         # returns NaN shards. Eager execution is what makes cross-device kernels correct.
         overrides["dma_execution_mode"] = "eager"
-    if name == "tpu" and chosen.detect_races:
+    if chosen.detect_races:
         # "warn" (jax >= 0.12) lets the kernel finish so the guard can name it in its error.
         overrides.update(detect_races=True, on_race="warn")
+    if "bounds" in chosen.checked:
+        overrides["out_of_bounds_reads"] = "raise"  # the default today; explicit, as it is asked for
     # Only the fields this jax's class has (dma_execution_mode, on_race, ... vary by version).
     fields = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set(overrides)
     return cls(**{k: v for k, v in overrides.items() if k in fields})

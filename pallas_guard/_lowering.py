@@ -29,8 +29,15 @@ def make_cpu_rule(entry_point: str, delegate: LoweringRule, installation: Any) -
             return delegate(ctx, *in_nodes, **params)
         interpret = params.get("interpret")
         policy = _settings.current_policy()
+        grid_mapping = params.get("grid_mapping")
         situation = _plan.Situation(
-            "lowering", policy.value, "cpu", interpret=interpret, injected=_state.is_injected(interpret)
+            "lowering",
+            policy.value,
+            "cpu",
+            interpret=interpret,
+            injected=_state.is_injected(interpret),
+            grid=tuple(grid_mapping.grid) if grid_mapping is not None else None,
+            max_steps=_settings.max_steps().value,
         )
         plan = _plan.plan(situation)
         if plan.record or plan.action is not _plan.Action.UNTOUCHED:
@@ -42,6 +49,7 @@ def make_cpu_rule(entry_point: str, delegate: LoweringRule, installation: Any) -
                 if on_stack.is_users:  # the library frame the equation recorded stays beside it
                     call_site = on_stack._replace(via=on_stack.via or call_site.via or call_site.user)
             kernel = _diagnostics.kernel_from_params(params, entry_point=entry_point)
+            untouched = plan.action is _plan.Action.UNTOUCHED
             _act.carry_out(
                 plan,
                 layer="lowering",
@@ -49,8 +57,10 @@ def make_cpu_rule(entry_point: str, delegate: LoweringRule, installation: Any) -
                 call_site=call_site,
                 target=_target.lowering_target(_lowering_platforms(ctx)),
                 policy=policy,
-                interpreter="plain" if plan.action is _plan.Action.INTERPRET else _state.interpreter_name(interpret),
+                interpreter=_state.interpreter_name(interpret) if untouched else "plain",
                 tried=_state.verified(kernel.defined_at) if plan.action is _plan.Action.INTERPRET else (),
+                grid=situation.grid,
+                budget=_settings.max_steps(),
             )
         if plan.action is _plan.Action.INTERPRET:
             return delegate(ctx, *in_nodes, **{**params, "interpret": True})

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 from ._enums import Policy
 from ._interpreters import Candidates
@@ -47,6 +47,10 @@ class Situation(NamedTuple):
     """An accelerator plugin is installed (an unknown target may then be an accelerator)."""
     candidates: Callable[[], Candidates] | None = None
     """Front door: the kernel's interpreters, best first; read only when the kernel is interpreted."""
+    grid: tuple[Any, ...] | None = None
+    """The kernel's grid, where known (static entries count; a dynamic one makes it unknown)."""
+    max_steps: int | None = None
+    """The step budget for interpreted kernels, if any."""
 
 
 class Plan(NamedTuple):
@@ -59,6 +63,10 @@ class Plan(NamedTuple):
     """``INTERPRET`` at the front door: the interpreters to use, best first."""
     fallback: str | None = None
     """``REFUSE`` because the lowering net is missing: why (the diagnostic says so)."""
+    steps: int | None = None
+    """``INTERPRET`` (or ``REFUSE`` over the budget): the grid steps the interpreter runs, where known."""
+    over_budget: bool = False
+    """``REFUSE`` because the grid has more steps than the budget."""
     replan: bool = False
     """``DEFER`` of a kernel that needs the front door, built before the target was known: plan
     again when the kernel is called."""
@@ -94,8 +102,18 @@ def plan(situation: Situation) -> Plan:  # noqa: PLR0911, PLR0912 - one return p
         return Plan(Action.REFUSE, "policy strict: no interpreter without interpret=", record=True)
     reason = f"policy {s.policy.value}: target is the CPU"
     warn = s.policy is Policy.WARN
+    steps = grid_steps(s.grid)
+    over_budget = None
+    if steps is not None and s.max_steps is not None and steps > s.max_steps:
+        over_budget = Plan(
+            Action.REFUSE,
+            f"its grid has {steps} steps, over the step budget of {s.max_steps}",
+            record=True,
+            steps=steps,
+            over_budget=True,
+        )
     if at_net:
-        return Plan(Action.INTERPRET, reason, warn=warn, record=True, candidates=None)
+        return over_budget or Plan(Action.INTERPRET, reason, warn=warn, record=True, steps=steps)
     if s.inside_export:
         return Plan(Action.DEFER, "inside jax.export: the export's platforms decide, at lowering")
     assert s.candidates is not None, "the front door passes the kernel's candidates"
@@ -104,9 +122,21 @@ def plan(situation: Situation) -> Plan:  # noqa: PLR0911, PLR0912 - one return p
         if s.net_gap is not None:
             return Plan(Action.REFUSE, f"falls back to strict: {s.net_gap}", record=True, fallback=s.net_gap)
         return Plan(Action.DEFER, f"{reason}; the plain interpreter, substituted by the lowering net")
-    return Plan(Action.INTERPRET, reason, warn=warn, record=True, candidates=candidates)
+    return over_budget or Plan(Action.INTERPRET, reason, warn=warn, record=True, candidates=candidates, steps=steps)
 
 
 def _needs_front_door(candidates: Candidates) -> bool:
     """Whether the front door must act: another interpreter than plain, or a choice to verify."""
-    return candidates.names != ("plain",) or candidates.verify
+    return candidates.names != ("plain",) or candidates.verify or candidates.unchecked is not None
+
+
+def grid_steps(grid: tuple[Any, ...] | None) -> int | None:
+    """The number of steps a grid runs; None when unknown (no grid given, a dynamic entry)."""
+    if grid is None:
+        return None
+    steps = 1
+    for size in grid:
+        if not isinstance(size, int):
+            return None
+        steps *= size
+    return steps

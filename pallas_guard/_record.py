@@ -39,6 +39,10 @@ class Decision:
     """``file:line`` of the library code that called the entry point on the user's behalf, if any."""
     tried: tuple[str, ...] = ()
     """The interpreters verified before the choice, in order, each with its outcome."""
+    steps: int | None = None
+    """The grid steps an interpreted kernel runs (or would have run, refused over the budget)."""
+    policy_source: str = ""
+    """Where the policy came from: ``PALLAS_GUARD_POLICY``, ``PALLAS_INTERPRET``, an API call, ..."""
 
     def __repr__(self) -> str:
         how = f" with the {self.interpreter} interpreter" if self.interpreter else ""
@@ -72,6 +76,8 @@ def note(
     layer: str,
     warned: bool = False,
     tried: tuple[str, ...] = (),
+    steps: int | None = None,
+    policy_source: str = "",
 ) -> None:
     """Record what a layer did with ``kernel`` (the facts the diagnostics already gathered)."""
     add(
@@ -89,6 +95,8 @@ def note(
             entry_point=kernel.entry_point,
             via=called_at.via,
             tried=tried,
+            steps=steps,
+            policy_source=policy_source,
         )
     )
 

@@ -42,6 +42,17 @@ def parse(name: str, value: object, source: str) -> Any:
     return public(parsed) if public is not None else parsed
 
 
+def given(values: Mapping[str, object], *, call: str, source: str | None = None) -> dict[str, Setting[Any]]:
+    """The settings an API call was given (``None``: not given), parsed; errors name the argument
+    as ``call(name=...)``, and the source is ``source`` (default: that same text)."""
+    parsed = {}
+    for name, value in values.items():
+        if value is not None:
+            where = f"{call}(policy)" if name == "policy" and call != "install" else f"{call}({name}=...)"
+            parsed[name] = Setting(parse(name, value, where), source or where)
+    return parsed
+
+
 def _from(name: str, value: object, source: str) -> Setting[Any]:
     public = _PUBLIC_TYPES.get(name)
     return Setting(public(value) if public is not None else value, source)
@@ -77,7 +88,7 @@ def configure(given: Mapping[str, Setting[Any]] | None = None) -> None:
             elif name in _process.pinned and name in previous:
                 values[name] = previous[name]
             elif name in environment:
-                values[name] = _from(name, environment[name], option.env)
+                values[name] = _from(name, *environment[name])
             else:
                 values[name] = _from(name, option.default, "default")
         _process.values = values
@@ -117,8 +128,12 @@ def current_interpreter() -> Setting[Interpreter]:
     return current("interpreter")
 
 
-def detect_races() -> bool:
-    return bool(current("detect_races").value)
+def checks() -> frozenset[str]:
+    return frozenset(current("checks").value)
+
+
+def max_steps() -> Setting[int | None]:
+    return current("max_steps")
 
 
 @contextmanager

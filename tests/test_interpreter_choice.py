@@ -222,12 +222,13 @@ def test_forced_interpreter_wins_over_facts(forced: str) -> None:
 
 
 def test_race_detection_means_tpu_interpret_mode_with_the_detector_on() -> None:
-    chosen = _interpreters.candidates(AUTO, _interpreters.GENERIC, detect_races=True)
-    assert chosen.names == ("tpu",) and chosen.detect_races
+    chosen = _interpreters.candidates(AUTO, _interpreters.GENERIC, checks=frozenset({"races"}))
+    assert chosen.names == ("tpu",) and chosen.detect_races and chosen.unchecked is None
     assert _interpreters.params("tpu", chosen).detect_races is True
     # A Triton kernel cannot run in TPU interpret mode: race detection does not apply to it.
     triton = _interpreters.kernel_facts("pallas_call", copy_kernel, {"compiler_params": _triton_params()})
-    assert _interpreters.candidates(AUTO, triton, detect_races=True).names == ("plain",)
+    unchecked = _interpreters.candidates(AUTO, triton, checks=frozenset({"races"}))
+    assert unchecked.names == ("plain",) and "races could not be checked" in (unchecked.unchecked or "")
 
 
 def test_inside_a_lowering_only_plain_is_possible() -> None:
@@ -332,7 +333,7 @@ def test_env_switches_race_detection_on() -> None:
     result = run_python(code, env=env)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().splitlines()[-1].startswith("tpu | ")
-    assert "race detection (PALLAS_GUARD_DETECT_RACES=1)" in result.stdout
+    assert "checks races (from PALLAS_GUARD_DETECT_RACES)" in result.stdout
 
 
 # --- clear failures -------------------------------------------------------------------------------------

@@ -12,9 +12,12 @@ import pallas_guard
 from pallas_guard import Interpreter, PallasGuardConfigError, Policy, _settings
 from pallas_guard._settings import current_interpreter, current_policy, parse
 from pallas_guard_autoload import (
+    CHECKS_ENV,
     DETECT_RACES_ENV,
     INTERPRETER_ENV,
+    MAX_STEPS_ENV,
     OPTIONS,
+    PALLAS_INTERPRET_ENV,
     POLICY_ENV,
     guard_wanted,
     read_environment,
@@ -35,8 +38,12 @@ def test_options_declare_each_setting_once() -> None:
     assert {name: (o.env, o.kind, o.default) for name, o in OPTIONS.items()} == {
         "policy": (POLICY_ENV, "policy", "warn"),
         "interpreter": (INTERPRETER_ENV, "interpreter", "auto"),
-        "detect_races": (DETECT_RACES_ENV, "boolean", False),
+        "checks": (CHECKS_ENV, "set of checks", frozenset()),
+        "max_steps": (MAX_STEPS_ENV, "step budget", None),
     }
+    # The older and the shared spellings are aliases of two rows, not rows of their own.
+    assert OPTIONS["checks"].alias is not None and OPTIONS["checks"].alias.env == DETECT_RACES_ENV
+    assert OPTIONS["policy"].alias is not None and OPTIONS["policy"].alias.env == PALLAS_INTERPRET_ENV
     # The public enums and the table accept the same words, listed in the same order.
     for name, enum_cls in (("policy", Policy), ("interpreter", Interpreter)):
         assert OPTIONS[name].accepted == ", ".join(repr(member.value) for member in enum_cls)
@@ -50,9 +57,10 @@ def test_options_declare_each_setting_once() -> None:
     [
         ("policy", " Strict\n", "strict"),
         ("interpreter", "\tTPU", "tpu"),
-        ("detect_races", "Yes", True),
-        ("detect_races", " off ", False),
-        ("detect_races", "0", False),
+        ("checks", " Races, BOUNDS", frozenset({"races", "bounds"})),
+        ("checks", "all", frozenset({"races", "bounds"})),
+        ("checks", "None", frozenset()),
+        ("max_steps", " 512 ", 512),
     ],
 )
 def test_every_option_parses_case_and_whitespace_insensitively(name: str, raw: str, expected: object) -> None:
@@ -62,7 +70,10 @@ def test_every_option_parses_case_and_whitespace_insensitively(name: str, raw: s
 
 def test_read_environment_returns_the_variables_that_are_set() -> None:
     environ = {POLICY_ENV: " Strict ", DETECT_RACES_ENV: "yes", INTERPRETER_ENV: "  ", "OTHER": "x"}
-    assert read_environment(environ) == {"policy": "strict", "detect_races": True}
+    assert read_environment(environ) == {
+        "policy": ("strict", POLICY_ENV),
+        "checks": (frozenset({"races"}), DETECT_RACES_ENV),
+    }
     assert read_environment({}) == {}
     with pytest.raises(
         PallasGuardConfigError, match="PALLAS_GUARD_DETECT_RACES='maybe' is not a valid pallas_guard boolean"
