@@ -322,6 +322,15 @@ def over_budget(
     return error
 
 
+def bounds_error(error: BaseException, *, kernel: KernelInfo, call_site: CallSite) -> PallasGuardError:
+    """The bounds check found a read outside a buffer (the plain interpreter would have clamped it)."""
+    finding = next((line.strip() for line in str(error).splitlines() if "Out-of-bounds read" in line), "")
+    return PallasGuardError(
+        f"pallas_guard: an out-of-bounds read in {_describe(kernel, call_site)}, found by the bounds check "
+        f"({CHECKS_ENV}=bounds; the plain interpreter would have clamped it silently): {finding}"
+    )
+
+
 def warn_unchecked(*, kernel: KernelInfo, call_site: CallSite, why: str) -> None:
     """Checks were asked for but cannot apply to this kernel (a family no checking interpreter runs)."""
     _warn_at(call_site, f"pallas_guard: {_describe(kernel, call_site)} runs unchecked: {why}.")

@@ -247,6 +247,8 @@ class _Guarded:
         except PallasGuardError:
             raise
         except Exception as error:
+            if "bounds" in self.candidates.checked and "Out-of-bounds read" in str(error):
+                raise _diagnostics.bounds_error(error, kernel=self.call.info, call_site=self.call_site) from error
             failure = _diagnostics.interpreter_failure(
                 error,
                 kernel=self.call.info,
