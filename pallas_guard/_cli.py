@@ -63,7 +63,8 @@ def _distribution_version(name: str) -> str | None:
 
 def _settings_report(problems: list[str]) -> dict[str, Any]:
     """The settings new processes get from the environment, and this process's, with sources."""
-    settings: dict[str, Any] = {"environment": {o.env: os.environ.get(o.env) for o in OPTIONS.values()}}
+    variables = [env for option in OPTIONS.values() for env in (option.env, option.alias and option.alias.env) if env]
+    settings: dict[str, Any] = {"environment": {env: os.environ.get(env) for env in variables}}
     for name, option in OPTIONS.items():
         try:
             option.from_environment()
@@ -72,9 +73,17 @@ def _settings_report(problems: list[str]) -> dict[str, Any]:
             problems.append(str(error))
             settings[f"{name}_error"] = str(error)
             continue
-        value = setting.value.value if hasattr(setting.value, "value") else setting.value
-        settings[name] = {"value": value, "source": setting.source}
+        settings[name] = {"value": _shown(setting.value), "source": setting.source}
     return settings
+
+
+def _shown(value: object) -> object:
+    """A setting's value as doctor prints it (and JSON holds it)."""
+    if isinstance(value, frozenset):  # checks
+        return ",".join(sorted(value)) or "none"
+    if value is None:  # max_steps
+        return "no budget"
+    return getattr(value, "value", value)  # the enums' words
 
 
 def _jax_facts(problems: list[str]) -> dict[str, Any]:
@@ -142,7 +151,7 @@ def _verdict(report: dict[str, Any]) -> str:
         return "JAX could not initialise a backend, so where Pallas kernels lower is unknown."
     if platform != "cpu":
         return f"Pallas kernels here will compile for {platform}: the guard changes nothing."
-    env_policy = settings["environment"][POLICY_ENV]
+    env_policy = pallas_guard_autoload.guard_wanted()  # PALLAS_GUARD_POLICY, or PALLAS_INTERPRET
     policy = str(OPTIONS["policy"].from_environment() or OPTIONS["policy"].default)
     interpreter = settings["interpreter"]["value"]
     outcome = {
@@ -152,7 +161,7 @@ def _verdict(report: dict[str, Any]) -> str:
         "off": "fail on cpu with JAX's own error under policy off",
     }[policy]
     if env_policy and report["autoload"]["installed"]:
-        where = f"in every Python process ({POLICY_ENV} with the autoload)"
+        where = "in every Python process (the environment's policy, with the autoload)"
     elif env_policy:
         where = "in processes that import pallas_guard (the autoload is not installed)"
     else:
@@ -232,7 +241,7 @@ def render(report: dict[str, Any]) -> str:
     rows.append(
         (
             "autoload",
-            f"installed: {', '.join(autoload['files'])} (active when {POLICY_ENV} is set)"
+            f"installed: {', '.join(autoload['files'])} (active when {POLICY_ENV} is set or PALLAS_INTERPRET is truthy)"
             if autoload["installed"]
             else f"not installed ({', '.join(START_FILES)} not in this Python's site-packages)",
         )

@@ -228,3 +228,14 @@ def test_a_bad_pallas_interpret_names_the_variable() -> None:
     result = run_python("import pallas_guard", env={"PALLAS_INTERPRET": "sometimes"})
     assert result.returncode != 0
     assert "PALLAS_INTERPRET='sometimes' is not a valid pallas_guard PALLAS_INTERPRET value" in result.stderr
+
+
+def test_doctor_shows_checks_and_budget_with_their_sources() -> None:
+    env = {"JAX_PLATFORMS": "cpu", "PALLAS_INTERPRET": "yes", "PALLAS_GUARD_DETECT_RACES": "1"}
+    env["PALLAS_GUARD_MAX_STEPS"] = "64"
+    result = run_python("from pallas_guard._cli import main; raise SystemExit(main(['doctor']))", env=env)
+    lines = {line.split()[0]: line for line in result.stdout.splitlines() if line.startswith("  ")}
+    assert "interpret (from PALLAS_INTERPRET)" in lines["policy"]
+    assert "races (from PALLAS_GUARD_DETECT_RACES)" in lines["checks"]
+    assert "64 (from PALLAS_GUARD_MAX_STEPS)" in lines["max"]
+    assert "PALLAS_INTERPRET='yes'" in lines["environment"]
