@@ -238,7 +238,7 @@ def test_a_bug_in_the_kernel_stays_the_users_unchanged(guard: Callable[..., None
     def broken(x_ref, o_ref):  # type: ignore[no-untyped-def]
         o_ref[...] = x_ref[...] + jnp.ones((3,))  # shapes that cannot broadcast
 
-    with pytest.raises(Exception) as info:  # noqa: PT011 - whatever JAX raises, unchanged
+    with pytest.raises(Exception) as info:  # whatever JAX raises, unchanged
         broken(jnp.ones(128))
     assert not isinstance(info.value, pallas_guard.PallasGuardError)
     assert "broadcast" in str(info.value) or "shape" in str(info.value).lower()
@@ -363,7 +363,7 @@ def _closure() -> Callable[..., None]:
         (functools.partial(functools.partial(_plain_body), amount=1), "def _plain_body"),
         (_Kernels().method, "def method"),
         (_Kernels(), "def __call__"),
-        (functools.wraps(_plain_body)(lambda *a: _plain_body(*a)), "def _plain_body"),
+        (functools.wraps(_plain_body)(lambda *a: _plain_body(*a)), "def _plain_body"),  # noqa: PLW0108
         (_closure(), "def closure_body"),
     ],
     ids=["partial", "nested-partial", "bound-method", "callable-object", "decorated", "closure"],
