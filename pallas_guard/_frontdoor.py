@@ -294,10 +294,11 @@ def wrap_entry_point(original: Callable[..., Any], entry: EntryPoint, installati
         del instance
         interpret = kwargs.get("interpret", False)
         call = _KernelCall(entry, args, kwargs)
+        target = _target.detect() if not interpret else _target.UNKNOWN
         situation = _plan.Situation(
             "front door",
             _settings.current_policy().value,
-            (_target.detect() if not interpret else _target.UNKNOWN).platform,
+            target.platform,
             interpret=interpret,
             forced_by_jax=_internals.forced_interpret_value(),
             inside_export=_target.inside_export(),
@@ -307,7 +308,7 @@ def wrap_entry_point(original: Callable[..., Any], entry: EntryPoint, installati
             grid=call.grid,
             max_steps=_settings.max_steps().value,
         )
-        return _enter(wrapped, call, situation)
+        return _enter(wrapped, call, situation, target)
 
     pallas_guard_front_door.__qualname__ = f"pallas_guard_front_door[{entry.label}]"
     wrapper = _entry_point_wrapper_class()(original, pallas_guard_front_door, installation.is_active)
@@ -316,7 +317,7 @@ def wrap_entry_point(original: Callable[..., Any], entry: EntryPoint, installati
     return wrapper
 
 
-def _enter(wrapped: Callable[..., Any], call: _KernelCall, situation: _plan.Situation) -> Any:
+def _enter(wrapped: Callable[..., Any], call: _KernelCall, situation: _plan.Situation, target: _target.Target) -> Any:
     """Carry out the plan for one call of an entry point; what it returns goes to the caller."""
     plan = _plan.plan(situation)
     if plan.action is _plan.Action.DEFER and plan.replan:
@@ -324,7 +325,6 @@ def _enter(wrapped: Callable[..., Any], call: _KernelCall, situation: _plan.Situ
     if plan.action in (_plan.Action.UNTOUCHED, _plan.Action.DEFER):
         return wrapped(*call.args, **call.kwargs)
     policy = _settings.current_policy()
-    target = _target.detect()
     call_site = _diagnostics.user_call_site()
     if plan.action is _plan.Action.REFUSE:
         _act.carry_out(
@@ -354,11 +354,11 @@ def _deferred(wrapped: Callable[..., Any], call: _KernelCall, situation: _plan.S
     ) -> Any:
         del instance
         if not resolved:
-            platform = _target.detect().platform
-            if platform is None:  # still unknown: the lowering net decides
+            target = _target.when_called()
+            if target.platform is None:  # still unknown, an accelerator possible: the lowering net decides
                 return kernel(*args, **kwargs)
-            now = situation._replace(platform=platform, policy=_settings.current_policy().value)
-            resolved.append(_enter(wrapped, call, now))
+            now = situation._replace(platform=target.platform, policy=_settings.current_policy().value)
+            resolved.append(_enter(wrapped, call, now, target))
         return resolved[0](*args, **kwargs)
 
     return _kernel_wrapper_class()(built, pallas_guard_deferred)

@@ -239,3 +239,38 @@ def test_doctor_shows_checks_and_budget_with_their_sources() -> None:
     assert "races (from PALLAS_GUARD_DETECT_RACES)" in lines["checks"]
     assert "64 (from PALLAS_GUARD_MAX_STEPS)" in lines["max"]
     assert "PALLAS_INTERPRET='yes'" in lines["environment"]
+
+
+# --- checks: races in a Mosaic-GPU kernel ------------------------------------------------------------
+
+
+def _mgpu_threads(racy: bool) -> Callable[[], jax.Array]:
+    import functools
+    import inspect
+
+    plgpu = pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+    out = "out_type" if "out_type" in inspect.signature(plgpu.kernel).parameters else "out_shape"
+
+    @functools.partial(plgpu.kernel, **{out: jax.ShapeDtypeStruct((2,), jnp.int32)}, num_threads=2, thread_name="x")
+    def two_threads(o_ref):  # type: ignore[no-untyped-def]
+        i = jax.lax.axis_index("x")
+        if racy:
+            o_ref[0] = i  # both threads write one element, unsynchronised
+        else:
+            o_ref[i] = i
+
+    return two_threads  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("jitted", [False, True], ids=["eager", "jit"])
+def test_a_race_in_a_mosaic_gpu_kernel_is_reported_naming_the_kernel(guard: Callable[..., None], jitted: bool) -> None:
+    if not _interpreters.available("gpu"):
+        pytest.skip("this jax has no Mosaic-GPU interpreter")
+    guard("interpret", checks="races")
+    np.testing.assert_array_equal(_mgpu_threads(False)(), [0, 1])  # the control: no race, no error
+    racy = _mgpu_threads(True)
+    with pytest.raises(Exception, match=r"data race was detected in Pallas kernel '.*two_threads'") as info:
+        jax.block_until_ready(jax.jit(racy)() if jitted else racy())
+    assert isinstance(info.value, pallas_guard.PallasGuardError) is not jitted  # under jit: JAX's runtime error
+    assert "the Mosaic-GPU interpreter with race detection (PALLAS_GUARD_CHECKS=races)" in str(info.value)
+    assert {d.interpreter for d in pallas_guard.decisions()} == {"gpu"}
