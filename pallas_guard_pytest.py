@@ -7,34 +7,69 @@ changes nobody's pytest runs. It acts in a test session when a policy is given:
 ``--pallas-guard-policy``, the ``pallas_guard_policy`` ini setting, or ``PALLAS_GUARD_POLICY``
 (an interpreter given to pytest counts too), or when the guard was already asked for (the
 autoload, a ``sitecustomize``). A bad value of any of them is then a usage error (exit 4) naming it.
-``@pytest.mark.pallas_guard(...)`` scopes a policy to one test or class, activating the guard for
-that test if the session has none.
+``@pytest.mark.pallas_guard(...)`` scopes settings to one test, class or module, activating the guard
+for that test if the session has none; its ``skip_interpreted=``/``xfail_interpreted=`` arguments
+skip or xfail a test only where the guard would run its kernels interpreted.
+
+Every row of ``pallas_guard_autoload.OPTIONS`` is an option ``--pallas-guard-<name>`` and an ini
+setting ``pallas_guard_<name>``; the ini ``pallas_guard_over_budget = skip`` reports tests whose
+kernel was over the step budget as skipped; the summary lists the slowest tests that ran
+interpreted kernels (``--pallas-guard-durations``).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from collections import Counter
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Generator, Iterator
+from typing import Any, NamedTuple
 
 import pytest
 
 import pallas_guard_autoload
-from pallas_guard_autoload import OPTIONS, POLICY_ENV
+from pallas_guard_autoload import CHECKS, OPTIONS, POLICY_ENV
 
-POLICY_HELP = (
-    f"pallas_guard policy for Pallas kernels that would lower for the CPU without interpret=: "
-    f"{OPTIONS['policy'].accepted} (default: the ini setting, else ${POLICY_ENV}; none: the guard stays off)"
-)
-INTERPRETER_HELP = (
-    f"pallas_guard interpreter for those kernels: {OPTIONS['interpreter'].accepted} "
-    f"(default: the ini setting, else ${OPTIONS['interpreter'].env}, else auto)"
-)
+
+def _word(name: str, value: object) -> str:
+    """A setting's value as the word that sets it: ``races,bounds``, ``none``, ``warn``, ``64``."""
+    del name
+    if value is None:
+        return "none"
+    if isinstance(value, (set, frozenset)):
+        return ",".join(check for check in CHECKS if check in value) or "none"
+    return str(getattr(value, "value", value))
+
+
+def _option_help(name: str) -> str:
+    """An option's help, from its row of ``OPTIONS`` (accepted values, variable, default)."""
+    option = OPTIONS[name]
+    default = "none: the guard stays off" if name == "policy" else f"default {_word(name, option.default)}"
+    return (
+        f"pallas_guard {name.replace('_', ' ')}: {option.help}. Accepted: {option.accepted} "
+        f"(else the ini setting pallas_guard_{name}, else ${option.env}; {default})"
+    )
+
+
+POLICY_HELP = _option_help("policy")
+INTERPRETER_HELP = _option_help("interpreter")
 DETAILS_HELP = "list, per test, each Pallas kernel pallas_guard interpreted, refused or left alone"
+DURATIONS_DEFAULT = 5
+DURATIONS_HELP = (
+    "list the N slowest tests that ran interpreted kernels, with each kernel's interpreter and grid steps "
+    f"(default {DURATIONS_DEFAULT}; 0: all)"
+)
+OVER_BUDGET_HELP = (
+    "what a test whose Pallas kernel was over the step budget (pallas_guard_max_steps) reports: "
+    "fail (default) or skip, with the guard's error as the reason"
+)
+OVER_BUDGET_CHOICES = ("fail", "skip")
+_MARKER_ACTIONS = ("skip_interpreted", "xfail_interpreted")
 MARKER = (
-    "pallas_guard(policy=None, *, interpreter=None): run this test (or class) under this pallas_guard "
-    "policy/interpreter (pallas_guard.policy() scope); activates the guard for it if the session has none"
+    "pallas_guard(policy=None, *, interpreter=None, checks=None, max_steps=None, skip_interpreted=None, "
+    "xfail_interpreted=None): run this test (class, module) under these pallas_guard settings "
+    "(pallas_guard.policy() scope; activates the guard for it if the session has none); skip or xfail it, "
+    "with this reason, where the guard runs its kernels interpreted (target CPU, policy interpret or warn)"
 )
 
 OUTSIDE_TESTS = "(outside tests)"
@@ -49,6 +84,9 @@ class _Session:
         self.active = False
         self.rows: list[dict[str, Any]] = []
         """One JSON-able dict per decision: what ``decisions()`` recorded, plus the test's node id."""
+        self.durations: dict[str, float] = {}
+        """The call phase's duration of each test, as pytest measured it (``report.duration``)."""
+        self.over_budget = "fail"
         self._seen = 0
 
     # --- activation ------------------------------------------------------------------------------
@@ -59,13 +97,29 @@ class _Session:
             return option, f"--{name.replace('_', '-')}"
         ini = self.config.getini(name)
         if ini:
-            where = self.config.inipath.name if self.config.inipath else "ini"
-            return str(ini), f"{name} in {where}"
+            return str(ini), f"{name} in {self._ini_file()}"
         return None
 
+    def _ini_file(self) -> str:
+        return self.config.inipath.name if self.config.inipath else "ini"
+
+    def _plugin_settings(self) -> None:
+        """The plugin's own settings (valid or a usage error, whether or not the guard acts)."""
+        over_budget = str(self.config.getini("pallas_guard_over_budget") or "fail")
+        if over_budget.strip().lower() not in OVER_BUDGET_CHOICES:
+            raise pytest.UsageError(
+                f"pallas_guard: pallas_guard_over_budget in {self._ini_file()}={over_budget!r} is not valid; "
+                f"accepted values: {', '.join(map(repr, OVER_BUDGET_CHOICES))}"
+            )
+        self.over_budget = over_budget.strip().lower()
+        durations = self.config.getoption("pallas_guard_durations")
+        if durations is not None and durations < 0:
+            raise pytest.UsageError(f"pallas_guard: --pallas-guard-durations={durations} must be 0 (all) or more")
+
     def configure(self) -> None:
+        self._plugin_settings()
         given = {}
-        for name in ("policy", "interpreter"):
+        for name in OPTIONS:  # every setting: --pallas-guard-<name>, ini pallas_guard_<name>
             where = self._given(f"pallas_guard_{name}")
             if where is not None:
                 given[name] = where
@@ -129,6 +183,7 @@ def _row(decision: Any, nodeid: str) -> dict[str, Any]:
         "policy": decision.policy.value,
         "layer": decision.layer,
         "entry_point": decision.entry_point,
+        "steps": decision.steps,
     }
 
 
@@ -140,13 +195,22 @@ _KEY = pytest.StashKey[_Session]()
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("pallas_guard", "pallas_guard: Pallas kernels written for GPU/TPU, on the CPU")
-    group.addoption("--pallas-guard-policy", dest="pallas_guard_policy", metavar="POLICY", help=POLICY_HELP)
-    group.addoption(
-        "--pallas-guard-interpreter", dest="pallas_guard_interpreter", metavar="INTERPRETER", help=INTERPRETER_HELP
-    )
+    for name in OPTIONS:
+        help = _option_help(name)
+        group.addoption(
+            f"--pallas-guard-{name.replace('_', '-')}", dest=f"pallas_guard_{name}", metavar=name.upper(), help=help
+        )
+        parser.addini(f"pallas_guard_{name}", help)
     group.addoption("--pallas-guard-details", action="store_true", dest="pallas_guard_details", help=DETAILS_HELP)
-    parser.addini("pallas_guard_policy", POLICY_HELP)
-    parser.addini("pallas_guard_interpreter", INTERPRETER_HELP)
+    group.addoption(
+        "--pallas-guard-durations",
+        type=int,
+        default=DURATIONS_DEFAULT,
+        dest="pallas_guard_durations",
+        metavar="N",
+        help=DURATIONS_HELP,
+    )
+    parser.addini("pallas_guard_over_budget", OVER_BUDGET_HELP)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -154,12 +218,9 @@ def pytest_configure(config: pytest.Config) -> None:
     session = _Session(config)
     config.stash[_KEY] = session
     session.configure()
+    config.pluginmanager.register(_Durations(session), "pallas_guard_durations")
     if config.pluginmanager.hasplugin("xdist"):
         config.pluginmanager.register(_XdistController(), "pallas_guard_xdist")
-
-
-def _setting_text(setting: Any) -> str:
-    return f"{setting.value.value} (from {setting.source})"
 
 
 def pytest_report_header(config: pytest.Config) -> str:
@@ -173,41 +234,98 @@ def pytest_report_header(config: pytest.Config) -> str:
 
     target = _target.detect()
     where = target.platform or "decided when each kernel lowers"
-    return (
-        f"pallas_guard: policy {_setting_text(_settings.current_policy())}, interpreter "
-        f"{_setting_text(_settings.current_interpreter())}, target {where} ({'; '.join(target.evidence)})"
-    )
+    settings = []
+    for name in OPTIONS:
+        setting = _settings.current(name)
+        settings.append(f"{name.replace('_', ' ')} {_word(name, setting.value)} (from {setting.source})")
+    return f"pallas_guard: {', '.join(settings)}, target {where} ({'; '.join(target.evidence)})"
 
 
-def _marker_settings(item: pytest.Item) -> tuple[str | None, str | None] | None:
-    marker = item.get_closest_marker("pallas_guard")
-    if marker is None:
-        return None
-    unknown = set(marker.kwargs) - {"policy", "interpreter"}
+# --- the marker -----------------------------------------------------------------------------------
+
+
+class _Marked(NamedTuple):
+    """The merged ``@pytest.mark.pallas_guard`` arguments of one test (the closest of each wins)."""
+
+    settings: dict[str, Any]
+    """Option name -> the value given (validated), for a ``pallas_guard.policy(...)`` scope."""
+    skip: str | None
+    xfail: str | None
+
+
+_MARKER_SIGNATURE = (
+    "(policy=None, *, " + ", ".join(f"{key}=None" for key in (*list(OPTIONS)[1:], *_MARKER_ACTIONS)) + ")"
+)
+
+
+def _marker_arguments(item: pytest.Item, marker: pytest.Mark) -> dict[str, Any]:
+    where = f"@pytest.mark.pallas_guard on {item.nodeid}"
+    unknown = set(marker.kwargs) - set(OPTIONS) - set(_MARKER_ACTIONS)
     if len(marker.args) > 1 or unknown or ("policy" in marker.kwargs and marker.args):
         raise pytest.UsageError(
-            f"pallas_guard: @pytest.mark.pallas_guard on {item.nodeid} takes (policy=None, *, interpreter=None), "
-            f"got args {marker.args!r} kwargs {marker.kwargs!r}"
+            f"pallas_guard: {where} takes {_MARKER_SIGNATURE}, got args {marker.args!r} kwargs {marker.kwargs!r}"
         )
-    source = f"@pytest.mark.pallas_guard on {item.nodeid}"
-    policy = marker.args[0] if marker.args else marker.kwargs.get("policy")
-    interpreter = marker.kwargs.get("interpreter")
-    parsed_policy = None if policy is None else _parse("policy", policy, source)
-    parsed_interpreter = None if interpreter is None else _parse("interpreter", interpreter, f"{source} (interpreter=)")
-    return parsed_policy, parsed_interpreter
+    given = dict(marker.kwargs)
+    if marker.args:
+        given["policy"] = marker.args[0]
+    arguments = {}
+    for key, value in given.items():
+        if value is None:
+            continue
+        if key in _MARKER_ACTIONS:
+            if not isinstance(value, str) or not value.strip():
+                raise pytest.UsageError(
+                    f"pallas_guard: {where}: {key}= takes the reason to report (a non-empty str), "
+                    f"got {type(value).__name__} {value!r}"
+                )
+        else:
+            _parse(key, value, where if key == "policy" else f"{where} ({key}=)")
+        arguments[key] = value
+    return arguments
+
+
+def _marked(item: pytest.Item) -> _Marked | None:
+    """The test's ``pallas_guard`` markers (function, class, module), merged: the closest of each
+    argument wins. A bad argument is a usage error naming the test."""
+    markers = list(item.iter_markers("pallas_guard"))
+    if not markers:
+        return None
+    merged: dict[str, Any] = {}
+    for marker in markers:  # closest first
+        for key, value in _marker_arguments(item, marker).items():
+            merged.setdefault(key, value)
+    settings = {key: value for key, value in merged.items() if key in OPTIONS}
+    return _Marked(settings, merged.get("skip_interpreted"), merged.get("xfail_interpreted"))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     del config
     for item in items:
-        _marker_settings(item)  # a bad marker value stops the run before any test, naming the test
+        _marked(item)  # a bad marker value stops the run before any test, naming the test
+
+
+def _runs_interpreted() -> bool:
+    """Whether the guard would run an unmarked kernel interpreted here: the policy in effect is
+    interpret or warn, and the target is the CPU (or unknown with no accelerator plugin installed,
+    where JAX can only use the CPU, as the guard's plan decides)."""
+    from pallas_guard import _settings, _target
+    from pallas_guard._enums import Policy
+
+    if _settings.current_policy().value not in (Policy.INTERPRET, Policy.WARN):
+        return False
+    target = _target.detect()
+    if target.platform is None:
+        return not _target.installed_accelerator_plugins()
+    return target.is_cpu
 
 
 @pytest.fixture(autouse=True)
 def _pallas_guard_marker(request: pytest.FixtureRequest) -> Iterator[None]:
-    """Apply ``@pytest.mark.pallas_guard`` to this test: a ``pallas_guard.policy()`` scope."""
-    settings = _marker_settings(request.node)
-    if settings is None:
+    """Apply ``@pytest.mark.pallas_guard`` to this test: a ``pallas_guard.policy()`` scope, and
+    ``skip_interpreted``/``xfail_interpreted`` where the guard runs its kernels interpreted."""
+    marked = _marked(request.node)
+    # Only skip/xfail arguments and no guard in this session: nothing runs interpreted; as written.
+    if marked is None or (not marked.settings and not _guard_requested()):
         yield
         return
     installed_here = not _guard_requested()
@@ -218,11 +336,54 @@ def _pallas_guard_marker(request: pytest.FixtureRequest) -> Iterator[None]:
     if installed_here:
         guard.install()
     try:
-        with guard.policy(settings[0], interpreter=settings[1]):
+        with guard.policy(**marked.settings):
+            if (marked.skip or marked.xfail) and _runs_interpreted():
+                if marked.skip:
+                    raise pytest.skip.Exception(marked.skip, _use_item_location=True)
+                # Seen by pytest's call phase, which evaluates xfail marks again when setup found none.
+                request.node.add_marker(pytest.mark.xfail(reason=str(marked.xfail)))
             yield
     finally:
         if installed_here:
             guard.uninstall()
+
+
+# --- over the step budget: fail (default) or skip ----------------------------------------------------
+
+
+def _over_budget_error(error: BaseException | None) -> BaseException | None:
+    """The guard's over-budget error in ``error`` or its chain (``__cause__``, ``__context__``)."""
+    seen: set[int] = set()
+    stack = [error]
+    while stack:
+        current = stack.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if getattr(current, "pallas_guard_over_budget", False):
+            return current
+        stack.extend((current.__context__, current.__cause__))
+    return None
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, Any, Any]:
+    report: pytest.TestReport = yield
+    if (
+        report.failed
+        and report.when in ("setup", "call")
+        and call.excinfo is not None
+        and item.config.stash[_KEY].over_budget == "skip"
+    ):
+        error = _over_budget_error(call.excinfo.value)
+        if error is not None:
+            path, line = item.reportinfo()[:2]
+            report.outcome = "skipped"
+            report.longrepr = (os.fspath(path), (line or 0) + 1, f"Skipped: {error}")
+    return report
+
+
+# --- records and the summary ------------------------------------------------------------------------
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -231,6 +392,19 @@ def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
     session.take(OUTSIDE_TESTS)
     yield
     session.take(item.nodeid)
+
+
+class _Durations:
+    """Records each test's call-phase duration (``report.duration``); under xdist the controller
+    receives every worker's reports, so its summary has them all."""
+
+    def __init__(self, state: _Session) -> None:
+        self.state = state
+
+    @pytest.hookimpl
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if report.when == "call":
+            self.state.durations[report.nodeid] = report.duration
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -275,10 +449,39 @@ def summary_lines(rows: list[dict[str, Any]], *, details: bool) -> list[str]:
         return lines
     for row in sorted(rows, key=lambda r: (r["test"], r["action"], r["kernel"])):
         how = f" with the {row['interpreter']} interpreter" if row["action"] == "interpreted" else ""
+        steps = f", {row['steps']} grid steps" if row.get("steps") is not None else ""
         lines.append(
             f"{row['action'].upper()}{how} {row['test']}: {row['kernel']} ({row['entry_point']}, defined at "
-            f"{row['defined_at'] or '?'}, called at {row['called_at'] or '?'}) [{row['layer']}, policy {row['policy']}]"
+            f"{row['defined_at'] or '?'}, called at {row['called_at'] or '?'}{steps}) "
+            f"[{row['layer']}, policy {row['policy']}]"
         )
+    return lines
+
+
+def duration_lines(rows: list[dict[str, Any]], durations: dict[str, float], *, count: int) -> list[str]:
+    """The slowest tests that ran interpreted kernels (``count``; 0: all), slowest first: the
+    test's call-phase duration, its id, and its kernels with interpreter and grid steps."""
+    kernels: dict[str, Counter[str]] = {}
+    for row in rows:
+        if row["action"] == "interpreted" and row["test"] != OUTSIDE_TESTS:
+            steps = row.get("steps")
+            counted = "? steps" if steps is None else f"{steps} step{'s' if steps != 1 else ''}"
+            what = f"{row['kernel']} ({row['interpreter'] or '?'}, {counted})"
+            kernels.setdefault(row["test"], Counter())[what] += 1
+    if not kernels:
+        return []
+    slowest = sorted(kernels, key=lambda test: (-durations.get(test, 0.0), test))
+    shown = slowest if count == 0 else slowest[:count]
+    more = len(slowest) - len(shown)
+    lines = [
+        f"slowest {len(shown)} of {len(slowest)} test(s) that ran interpreted kernels"
+        + (f" (--pallas-guard-durations=0 lists all {len(slowest)})" if more else "")
+        + ":"
+    ]
+    for test in shown:
+        took = f"{durations[test]:.2f}s" if test in durations else "?s"
+        listed = ", ".join(what + (f" x{n}" if n > 1 else "") for what, n in sorted(kernels[test].items()))
+        lines.append(f"{took:>8} {test}: {listed}")
     return lines
 
 
@@ -288,4 +491,7 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
         return
     terminalreporter.write_sep("=", "pallas_guard summary")
     for line in summary_lines(state.rows, details=bool(config.getoption("pallas_guard_details"))):
+        terminalreporter.write_line(line)
+    count = config.getoption("pallas_guard_durations")
+    for line in duration_lines(state.rows, state.durations, count=DURATIONS_DEFAULT if count is None else count):
         terminalreporter.write_line(line)

@@ -71,6 +71,7 @@ def tester(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest
         monkeypatch.delenv(name)
     for name, value in environment.items():
         monkeypatch.setenv(name, value)
+    monkeypatch.delenv("PALLAS_INTERPRET", raising=False)  # a policy too (issue 11); tests opt in
     return pytester
 
 
@@ -84,7 +85,8 @@ def test_option_marker_header_and_summary(tester: pytest.Pytester) -> None:
     result.assert_outcomes(passed=3)
     result.stdout.fnmatch_lines(
         [
-            "pallas_guard: policy warn (from --pallas-guard-policy), interpreter auto (from default), target cpu *",
+            "pallas_guard: policy warn (from --pallas-guard-policy), interpreter auto (from default), "
+            "checks none (from default), max steps none (from default), target cpu *",
             "*= pallas_guard summary =*",
             "3 Pallas kernel(s): 2 interpreted (plain: 2), 1 refused, 0 left alone; in 3 test(s)",
         ]
@@ -128,6 +130,14 @@ def test_without_a_policy_the_guard_stays_off_until_imported(tester: pytest.Pyte
             (),
             "pallas_guard_interpreter in tox.ini='cuda' is not a valid pallas_guard interpreter",
         ),
+        ("", ("--pallas-guard-max-steps=0",), "--pallas-guard-max-steps='0' is not a valid pallas_guard step budget"),
+        (
+            "pallas_guard_checks = races,speed",
+            (),
+            "pallas_guard_checks in tox.ini='races,speed' is not a valid pallas_guard set of checks",
+        ),
+        ("pallas_guard_over_budget = maybe", (), "pallas_guard_over_budget in tox.ini='maybe' is not valid*'skip'"),
+        ("", ("--pallas-guard-durations=-1",), "--pallas-guard-durations=-1 must be 0 (all) or more"),
     ],
 )
 def test_bad_values_are_usage_errors(tester: pytest.Pytester, ini: str, args: tuple[str, ...], message: str) -> None:
@@ -172,21 +182,35 @@ def test_a_bad_variable_does_not_touch_a_run_the_plugin_has_no_business_in(
     result.stdout.fnmatch_lines(["pallas_guard: inactive *"])
 
 
-def test_bad_marker_is_a_usage_error_naming_the_test(tester: pytest.Pytester) -> None:
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ('"sometimes"', "@pytest.mark.pallas_guard on test_marked.py::test_marked='sometimes' is not a valid *policy*"),
+        (
+            "skip_interpreted=True",
+            "@pytest.mark.pallas_guard on test_marked.py::test_marked: skip_interpreted= takes the reason to report*",
+        ),
+        (
+            'policy="warn", xfail_interpreted=""',
+            "@pytest.mark.pallas_guard on test_marked.py::test_marked: xfail_interpreted= takes the reason*",
+        ),
+        ("max_steps=-2", "@pytest.mark.pallas_guard on test_marked.py::test_marked (max_steps=)=-2 is not a valid*"),
+    ],
+    ids=["policy", "skip_interpreted", "xfail_interpreted", "max_steps"],
+)
+def test_bad_marker_is_a_usage_error_naming_the_test(tester: pytest.Pytester, arguments: str, message: str) -> None:
     tester.makepyfile(
-        test_marked="""
+        test_marked=f"""
         import pytest
 
-        @pytest.mark.pallas_guard("sometimes")
+        @pytest.mark.pallas_guard({arguments})
         def test_marked():
             pass
         """
     )
     result = runpytest(tester)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines(
-        ["*@pytest.mark.pallas_guard on test_marked.py::test_marked='sometimes' is not a valid pallas_guard policy*"]
-    )
+    result.stderr.fnmatch_lines([f"ERROR: pallas_guard: {message}"])
 
 
 def test_xdist_summary_counts_kernels_from_every_worker(tester: pytest.Pytester) -> None:
@@ -229,6 +253,203 @@ def test_refused():
     assert result.returncode == 0, result.stdout + result.stderr
     assert "pallas_guard: policy strict (from PALLAS_GUARD_POLICY)" in result.stdout
     assert "1 Pallas kernel(s): 0 interpreted, 1 refused, 0 left alone; in 1 test(s)" in result.stdout
+
+
+# --- issue 11: step budget, durations, interpret-aware markers -------------------------------------
+
+GRID_KERNELS = """
+import time
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.experimental import pallas as pl
+
+
+def grid_kernel(x_ref, o_ref):  # written for GPU: no interpret=
+    o_ref[...] = x_ref[...] * 2
+
+
+def double(steps):
+    x = jnp.ones((8 * steps, 128), jnp.float32)
+    spec = pl.BlockSpec((8, 128), lambda i: (i, 0))
+    call = pl.pallas_call(grid_kernel, out_shape=x, grid=(steps,), in_specs=[spec], out_specs=spec)
+    return jax.jit(call)(x)
+"""
+
+BUDGET_TESTS = (
+    GRID_KERNELS
+    + """
+
+def test_small():
+    assert float(double(2)[0, 0]) == 2.0
+
+
+def test_medium():
+    assert float(double(3)[0, 0]) == 2.0
+
+
+def test_over_budget():
+    double(6)
+
+
+def test_over_budget_wrapped():
+    try:
+        double(5)
+    except ValueError as error:
+        raise RuntimeError("the library wrapped it") from error
+
+
+def test_other_failure_still_fails():
+    raise ValueError("not the budget")
+
+
+@pytest.mark.pallas_guard(skip_interpreted="too slow interpreted")
+class TestSkippedClass:
+    def test_one(self):
+        raise AssertionError("runs only where kernels are not interpreted")
+
+    @pytest.mark.pallas_guard(policy="strict")  # closest wins: strict, so nothing is interpreted
+    def test_strict_runs(self):
+        import pallas_guard
+
+        assert pallas_guard.get_policy() == "strict"
+
+
+@pytest.mark.pallas_guard(xfail_interpreted="the interpreter clamps out-of-bounds reads")
+def test_xfailed():
+    raise AssertionError("wrong answer when interpreted")
+
+
+@pytest.mark.pallas_guard("off", xfail_interpreted="not with policy off")
+def test_policy_off_runs_as_written():
+    import pallas_guard
+
+    assert pallas_guard.get_policy() == "off"
+"""
+)
+
+MODULE_MARKED = """
+import pytest
+
+pytestmark = pytest.mark.pallas_guard(skip_interpreted="the module's kernels are slow interpreted")
+
+
+def test_in_module():
+    raise AssertionError("skipped by the module's marker")
+"""
+
+
+def test_budget_skip_markers_durations_and_header(tester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One run for all of it (each run imports jax): ``pallas_guard_over_budget = skip`` (the error,
+    or wrapping it, skips; other failures fail), the markers on functions, classes and modules, the
+    durations summary against pytest's own ``--durations``, the header's sources."""
+    tester.makefile(".ini", pytest="[pytest]\npallas_guard_max_steps = 4\npallas_guard_over_budget = skip\n")
+    tester.makepyfile(test_budget=BUDGET_TESTS, test_module_marked=MODULE_MARKED)
+    monkeypatch.setenv("PALLAS_INTERPRET", "yes")  # the policy, as other Pallas projects spell it
+    result = runpytest(tester, "-rfsxX", "--durations=0", "--durations-min=0", "--pallas-guard-durations=1")
+    result.assert_outcomes(passed=4, failed=1, skipped=4, xfailed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "pallas_guard: policy interpret (from PALLAS_INTERPRET), interpreter auto (from default), checks none "
+            "(from default), max steps 4 (from pallas_guard_max_steps in pytest.ini), target cpu *",
+        ]
+    )
+    result.stdout.fnmatch_lines(["FAILED test_budget.py::test_other_failure_still_fails - ValueError: not the*"])
+    result.stdout.fnmatch_lines_random(
+        [
+            "SKIPPED [[]1] test_budget.py:*: pallas_guard: *'grid_kernel'* was not run: its grid (6,) has 6 steps, "
+            "more than the step budget of 4 (from pallas_guard_max_steps in pytest.ini)*",
+            "SKIPPED [[]1] test_budget.py:*: pallas_guard: *'grid_kernel'* was not run: its grid (5,) has 5 steps*",
+            "SKIPPED [[]1] test_budget.py:*: too slow interpreted",
+            "SKIPPED [[]1] test_module_marked.py:*: the module's kernels are slow interpreted",
+            "XFAIL test_budget.py::test_xfailed - the interpreter clamps out-of-bounds reads",
+        ]
+    )
+    # The durations: the slower of the two tests that ran interpreted kernels, as pytest timed it.
+    pytest_durations = {
+        line.split()[-1]: line.split()[0] for line in result.outlines if " call " in line and "::" in line
+    }
+    lines = result.outlines[
+        result.outlines.index(
+            "slowest 1 of 2 test(s) that ran interpreted kernels (--pallas-guard-durations=0 lists all 2):"
+        )
+        + 1 :
+    ]
+    took, test, kernels = lines[0].split(maxsplit=2)
+    steps = {"test_budget.py::test_small:": 2, "test_budget.py::test_medium:": 3}[test]
+    assert kernels == f"grid_kernel (plain, {steps} steps)"
+    assert took == pytest_durations[test[:-1]]
+    other = next(name for name in ("test_budget.py::test_small", "test_budget.py::test_medium") if name != test[:-1])
+    assert float(took[:-1]) >= float(pytest_durations[other][:-1])
+
+
+@pytest.mark.parametrize(
+    ("env", "args", "header"),
+    [
+        (
+            {"JAX_PLATFORMS": "tpu"},
+            ("--pallas-guard-policy=interpret", "--pallas-guard-checks=races,bounds"),
+            "pallas_guard: policy interpret (from --pallas-guard-policy), interpreter auto (from default), checks "
+            "races,bounds (from --pallas-guard-checks), max steps none (from default), target tpu *",
+        ),
+        ({}, (), "pallas_guard: inactive *"),
+    ],
+    ids=["target tpu", "guard inactive"],
+)
+def test_interpret_aware_markers_leave_tests_alone_where_nothing_is_interpreted(
+    tester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, env: dict[str, str], args: tuple[str, ...], header: str
+) -> None:
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    tester.makepyfile(
+        test_as_written="""
+        import pytest
+
+        pytestmark = pytest.mark.pallas_guard(xfail_interpreted="fails interpreted")
+
+
+        @pytest.mark.pallas_guard(skip_interpreted="slow interpreted")
+        def test_skip_marked():
+            pass
+
+
+        def test_xfail_marked():
+            pass
+        """
+    )
+    result = runpytest(tester, "-rsxX", *args)
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines([header])
+
+
+def test_xdist_durations_and_markers_from_every_worker(tester: pytest.Pytester) -> None:
+    tester.makefile(".ini", pytest="[pytest]\npallas_guard_policy = interpret\n")
+    tester.makepyfile(
+        test_spread=GRID_KERNELS
+        + """
+
+@pytest.mark.parametrize("steps", [1, 2, 3, 4])
+def test_kernel(steps):
+    assert float(double(steps)[0, 0]) == 2.0
+
+
+@pytest.mark.pallas_guard(skip_interpreted="slow interpreted")
+def test_skipped():
+    raise AssertionError("skipped on this CPU")
+"""
+    )
+    result = runpytest(tester, "-n", "2", "-rs", "--pallas-guard-durations=0")
+    result.assert_outcomes(passed=4, skipped=1)
+    result.stdout.fnmatch_lines(["SKIPPED [[]1] test_spread.py:*: slow interpreted"])
+    start = result.outlines.index("slowest 4 of 4 test(s) that ran interpreted kernels:") + 1
+    rows = [line.split(maxsplit=2) for line in result.outlines[start : start + 4]]
+    assert sorted((test, kernels) for _, test, kernels in rows) == [
+        (f"test_spread.py::test_kernel[{n}]:", f"grid_kernel (plain, {n} step{'s' if n > 1 else ''})")
+        for n in (1, 2, 3, 4)
+    ]
+    took = [float(seconds[:-1]) for seconds, _, _ in rows]
+    assert took == sorted(took, reverse=True) and all(seconds > 0 for seconds in took)
 
 
 # --- warnings: the filters decide, whoever set the policy ---------------------------------------
