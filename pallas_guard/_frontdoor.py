@@ -354,8 +354,10 @@ def _deferred(wrapped: Callable[..., Any], call: _KernelCall, situation: _plan.S
     ) -> Any:
         del instance
         if not resolved:
-            target = _target.when_called()
-            if target.platform is None:  # still unknown, an accelerator possible: the lowering net decides
+            # Configuration only: the call may be traced for an AOT lowering for cuda/tpu, which
+            # must stay untouched; still unknown, the lowering net decides (plain).
+            target = _target.detect()
+            if target.platform is None:
                 return kernel(*args, **kwargs)
             now = situation._replace(platform=target.platform, policy=_settings.current_policy().value)
             resolved.append(_enter(wrapped, call, now, target))

@@ -64,15 +64,6 @@ def detect() -> Target:
     return UNKNOWN
 
 
-def when_called() -> Target:
-    """The target when a kernel is about to run: as :func:`detect`, and where configuration still
-    does not say, the CPU when no accelerator plugin is installed (JAX has no other backend then)."""
-    target = detect()
-    if target.platform is None and not installed_accelerator_plugins():
-        return Target("cpu", ("the target is not configured and no accelerator plugin is installed",))
-    return target
-
-
 def lowering_target(platforms: tuple[str, ...]) -> Target:
     """The target the lowering net sees: JAX is lowering this equation for the CPU now."""
     why = [f"JAX is lowering the kernel for {', '.join(platforms) or 'cpu'}"]

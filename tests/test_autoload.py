@@ -79,7 +79,8 @@ def test_pth_file_is_one_constant_line_gated_by_the_policy_variable() -> None:
     lines = PTH_FILE.read_text().splitlines()
     assert len(lines) == 1
     assert lines[0].startswith("import os;")  # site exec()s only lines starting with "import"
-    assert f'os.environ.get("{POLICY_ENV}", "").strip() and __import__("pallas_guard_autoload").activate()' in lines[0]
+    gate = f'(os.environ.get("{POLICY_ENV}", "").strip() or os.environ.get("PALLAS_INTERPRET", "").strip())'
+    assert f'{gate} and __import__("pallas_guard_autoload").activate()' in lines[0]
 
 
 def test_start_file_names_the_same_entry_point() -> None:
@@ -150,7 +151,8 @@ def test_bad_value_prints_one_line_at_startup_and_explicit_import_still_raises(
     assert result.stdout.split() == ["False"]  # the guard is off, the process started
     startup_lines = [line for line in result.stderr.splitlines() if line.startswith("pallas_guard: ")]
     assert len(startup_lines) == 1  # once, although a 3.11/3.12 venv runs its .pth files twice
-    kind = OPTIONS[next(name for name, o in OPTIONS.items() if o.env == variable)].kind
+    rows = [o for o in OPTIONS.values() for o in (o, o.alias) if o is not None]
+    kind = next(o.kind for o in rows if o.env == variable)
     assert startup_lines[0].startswith(f"pallas_guard: {variable}='bogus' is not a valid pallas_guard {kind}; ")
     assert "accepted values" in startup_lines[0] and startup_lines[0].endswith("the guard is off in this process.")
     assert "Error processing line" not in result.stderr and "Traceback (most recent call last)" in result.stderr

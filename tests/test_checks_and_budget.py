@@ -267,6 +267,7 @@ def test_a_race_in_a_mosaic_gpu_kernel_is_reported_naming_the_kernel(guard: Call
     if not _interpreters.available("gpu"):
         pytest.skip("this jax has no Mosaic-GPU interpreter")
     guard("interpret", checks="races")
+    jnp.zeros(1).block_until_ready()  # a backend in use, as in any program by then: the target is known
     np.testing.assert_array_equal(_mgpu_threads(False)(), [0, 1])  # the control: no race, no error
     racy = _mgpu_threads(True)
     with pytest.raises(Exception, match=r"data race was detected in Pallas kernel '.*two_threads'") as info:
