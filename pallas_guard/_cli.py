@@ -1,7 +1,8 @@
 """The ``pallas-guard`` command: ``doctor``, ``run`` and ``demo``.
 
-Every setting goes through ``_policy``'s parsers and every activation through ``install()`` (here,
-in ``run``'s children, through the ``.pth`` autoload, which calls it).
+Every setting goes through the parsers of ``pallas_guard_autoload.OPTIONS`` and every activation
+through ``install()`` (in ``run``'s children, through the autoload's ``.pth``/``.start`` entry point,
+whose import hook imports the package, which calls it).
 """
 
 from __future__ import annotations
