@@ -99,18 +99,24 @@ def add_one(x):
     return pl.pallas_call(add_kernel, out_shape=x)(x)  # one call site
 
 for size in (4, 8, 16):  # three lowerings
+    warnings.warn("control")  # an ordinary warning at one location, for comparison
     add_one(jnp.arange(float(size)))
 """
 
 
-@pytest.mark.parametrize(("action", "shown"), [("", 1), ("always", 3), ("ignore", 0)])
-def test_warning_repetition_is_left_to_the_filters(action: str, shown: int) -> None:
-    """The default action shows a warning once per location; ``always`` shows each one."""
+@pytest.mark.parametrize(("action", "shown"), [("", None), ("always", 3), ("ignore", 0)])
+def test_warning_repetition_is_left_to_the_filters(action: str, shown: int | None) -> None:
+    """The guard keeps no memory of its own: under the default action its warning repeats exactly
+    as an ordinary warning at one location does (once; on jax 0.8, whose tracing enters
+    ``warnings.catch_warnings()`` and so resets Python's memory, once per lowering)."""
     result = run_python(
         REPEATED_KERNEL.replace("ACTION", repr(action)), env={"PALLAS_GUARD_POLICY": "warn", "JAX_PLATFORMS": "cpu"}
     )
     assert result.returncode == 0, result.stderr
-    assert result.stderr.count("PallasGuardWarning: pallas_guard: Pallas kernel 'add_kernel'") == shown
+    control = result.stderr.count("UserWarning: control")
+    assert control in (1, 3)
+    expected = control if shown is None else shown
+    assert result.stderr.count("PallasGuardWarning: pallas_guard: Pallas kernel 'add_kernel'") == expected
 
 
 def test_warning_can_be_made_an_error_from_the_command_line() -> None:
