@@ -209,3 +209,17 @@ def built_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     assert completed.returncode == 0, completed.stdout + completed.stderr
     (wheel,) = out.glob("pallas_guard-*.whl")
     return wheel
+
+
+def abstract_tpu_device() -> object:
+    """An abstract TPU device, for host code that asks "which TPU?" (the core count) on a CPU.
+
+    jax >= 0.10 takes the platform as a third argument; older releases only kind and core count.
+    """
+    device_class = getattr(jax.sharding, "AbstractDevice", None)
+    if device_class is None:
+        pytest.skip("this jax has no jax.sharding.AbstractDevice")
+    try:
+        return device_class("TPU v5 lite", 1, "tpu")
+    except TypeError:
+        return device_class("TPU v5 lite", 1)

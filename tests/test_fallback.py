@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import line_of
+from conftest import abstract_tpu_device, line_of
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
@@ -52,9 +52,7 @@ def _decisions(kernel: str) -> list[pallas_guard.Decision]:
 @pytest.fixture
 def abstract_tpu() -> Iterator[None]:
     """Host code asks "which TPU?" (the core count); on a CPU an abstract TPU device answers."""
-    if not hasattr(jax.sharding, "AbstractDevice"):
-        pytest.skip("this jax has no jax.sharding.AbstractDevice")
-    tpu = jax.sharding.AbstractDevice("TPU v5 lite", 1, "tpu")  # type: ignore[attr-defined]
+    tpu = abstract_tpu_device()
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), (), abstract_device=tpu)):
         yield
 

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import add, run_python
+from conftest import abstract_tpu_device, add, run_python
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
@@ -147,7 +147,7 @@ def test_triton_kernel_is_never_cross_device() -> None:
 
 def _core_mesh() -> object:
     """``pltpu.create_tensorcore_mesh`` asks the device for its core count: on a CPU, an abstract TPU answers."""
-    tpu = jax.sharding.AbstractDevice("TPU v5 lite", 1, "tpu")  # type: ignore[attr-defined]
+    tpu = abstract_tpu_device()
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), (), abstract_device=tpu)):
         return pltpu.create_tensorcore_mesh("core")
 
