@@ -68,7 +68,8 @@ class _KernelCall:
         )
         # An interpreter this jax lacks is no candidate.
         names = tuple(name for name in chosen.names if _interpreters.available(name)) or ("plain",)
-        return chosen._replace(names=names, verify=chosen.verify and len(names) > 1)
+        lacking = names != chosen.names
+        return chosen._replace(names=names, verify=chosen.verify and len(names) > 1, lacking=lacking)
 
 
 # --- verified choices, per kernel ------------------------------------------------------------------

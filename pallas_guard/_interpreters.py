@@ -57,6 +57,9 @@ class Candidates(NamedTuple):
     """The checks (``races``, ``bounds``) the chosen interpreter applies."""
     unchecked: str | None = None
     """Checks that were asked for but cannot apply to this kernel, and why (a warning says so)."""
+    lacking: bool = False
+    """An interpreter the facts call for is missing in this jax: the front door still wraps the
+    kernel, to explain its failure."""
     eager_dmas: bool = False
     """TPU interpret mode with eager DMA execution (cross-device kernels)."""
 
