@@ -11,14 +11,16 @@ from collections.abc import Iterator
 from typing import Any
 
 _lock = threading.Lock()
-_injected: weakref.WeakSet[Any] = weakref.WeakSet()
+# By identity: InterpretParams are dataclasses that compare equal by value, and a user's own
+# ``pltpu.InterpretParams()`` equal to one the front door injected is still the user's.
+_injected: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
 _injected_ids: set[int] = set()  # values that take no weak reference
 
 
 def mark_injected(value: Any) -> None:
     with _lock:
         try:
-            _injected.add(value)
+            _injected[id(value)] = value
         except TypeError:
             _injected_ids.add(id(value))
 
@@ -26,10 +28,7 @@ def mark_injected(value: Any) -> None:
 def is_injected(value: Any) -> bool:
     if not value or value is True:
         return False
-    try:
-        return value in _injected
-    except TypeError:
-        return id(value) in _injected_ids
+    return _injected.get(id(value)) is value or id(value) in _injected_ids
 
 
 def interpreter_name(value: Any) -> str | None:

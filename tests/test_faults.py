@@ -436,6 +436,19 @@ def test_interpret_params_reach_jax_by_identity(policy: str, xs: jax.Array) -> N
     assert [(d.action, d.interpreter) for d in pallas_guard.decisions()] == [("untouched", "tpu")]
 
 
+def test_a_users_interpret_params_equal_to_an_injected_one_is_still_the_users() -> None:
+    """InterpretParams compare by value: the net must recognise what the front door injected by
+    identity, or a user's equal object goes unrecorded (seen when an earlier test left one alive)."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    from pallas_guard import _state
+
+    injected, users = pltpu.InterpretParams(), pltpu.InterpretParams()
+    _state.mark_injected(injected)
+    assert _state.is_injected(injected)
+    assert not _state.is_injected(users)
+
+
 def _jax_state() -> dict[str, dict[str, Any]]:
     """Every callable in every Pallas module, and every lowering registry entry."""
     state: dict[str, dict[str, Any]] = {}
