@@ -40,10 +40,14 @@ class _KernelCall:
             grid = getattr(self.kwargs.get("grid_spec"), "grid", None)
         return (grid,) if isinstance(grid, int) else tuple(grid) if grid is not None else None
 
+    decorated: Any = None
+    """The body a decorator form (``@pl.kernel(mesh=...)``) was applied to, once it was."""
+
     def given_body(self, body: Any) -> None:
-        """A decorator form received its body: diagnostics name it from now on."""
+        """A decorator form received its body: diagnostics name it, rebuilds apply to it."""
         self.__dict__["body"] = body
         self.__dict__.pop("info", None)
+        self.decorated = body
 
     @functools.cached_property
     def info(self) -> _diagnostics.KernelInfo:
@@ -143,6 +147,8 @@ class _Guarded:
             value = True
         kwargs = _interpreters.entry_kwargs(name, self.call.facts, self.call.kwargs, value)
         built = self.run(self.wrapped, name, *self.call.args, **kwargs)
+        if self.call.decorated is not None:  # a decorator form: what it returned, applied to the body
+            built = built(self.call.decorated)
         if not explicit:
             self._built[name] = built
         return built
@@ -191,7 +197,9 @@ class _Guarded:
             self.call.given_body(body)
             if not self.candidates.verify:
                 self.commit(name)
-            return self.wrap_kernel(built(body, *args, **kwargs))
+            kernel = built(body, *args, **kwargs)
+            self._built = {name: kernel}  # what a rebuild for this interpreter would give
+            return self.wrap_kernel(kernel)
 
         return decorator
 
