@@ -331,9 +331,10 @@ def bounds_error(error: BaseException, *, kernel: KernelInfo, call_site: CallSit
     )
 
 
-def warn_unchecked(*, kernel: KernelInfo, call_site: CallSite, why: str) -> None:
-    """Checks were asked for but cannot apply to this kernel (a family no checking interpreter runs)."""
-    _warn_at(call_site, f"pallas_guard: {_describe(kernel, call_site)} runs unchecked: {why}.")
+def warn_checks(*, kernel: KernelInfo, call_site: CallSite, note: str) -> None:
+    """What the checks asked for mean for this kernel: they cannot apply to it (a family no checking
+    interpreter runs), or they chose an interpreter much slower than plain (``Candidates.checks_note``)."""
+    _warn_at(call_site, f"pallas_guard: {_describe(kernel, call_site)} {note}.")
 
 
 def check_races(out: Any, *, kernel: KernelInfo, call_site: CallSite, interpreter: str = "tpu") -> None:
@@ -341,7 +342,9 @@ def check_races(out: Any, *, kernel: KernelInfo, call_site: CallSite, interprete
 
     Run eagerly, the kernel has finished when this returns and the error is raised here; traced
     (under jit), a callback that depends on the kernel's output checks after it ran, and its error
-    surfaces from the jitted call, wrapped by JAX's runtime error.
+    surfaces from the jitted call, wrapped by JAX's runtime error. Raised there, it stops the
+    computation before the interpreter's own clean-up (ordered after the outputs): the guard resets
+    the interpreter first, so the next kernel starts clean.
     """
     import jax
 
@@ -349,6 +352,7 @@ def check_races(out: Any, *, kernel: KernelInfo, call_site: CallSite, interprete
 
     def raise_if_race(*_: Any) -> None:
         if _internals.races_found(interpreter):
+            _internals.reset_interpreter(interpreter)
             raise race_error(kernel=kernel, call_site=call_site, interpreter=interpreter)
 
     leaves = jax.tree_util.tree_leaves(out)

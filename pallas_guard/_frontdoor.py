@@ -164,8 +164,8 @@ class _Guarded:
     def commit(self, name: str, tried: tuple[str, ...] = ()) -> None:
         """Carry the plan out for interpreter ``name``: warn and record here when the front door
         injects it; plain is the net's (it warns and records at lowering, with ``tried``)."""
-        if self.candidates.unchecked is not None:
-            _diagnostics.warn_unchecked(kernel=self.call.info, call_site=self.call_site, why=self.candidates.unchecked)
+        if self.candidates.checks_note is not None:
+            _diagnostics.warn_checks(kernel=self.call.info, call_site=self.call_site, note=self.candidates.checks_note)
         value = self.value(name)
         if value is None:
             _state.note_verified(self.call.info.defined_at, tried)

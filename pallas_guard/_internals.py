@@ -262,6 +262,29 @@ _RACE_STATES = {
 }
 
 
+# Each interpreter's reset of its global state (simulated memory, race detector), newest first.
+_RESETS = {
+    "tpu": (
+        ("jax._src.pallas.mosaic.interpret.interpret_pallas_call", "reset_tpu_interpret_mode_state"),  # 0.8.0+
+        ("jax._src.pallas.mosaic.interpret", "reset_tpu_interpret_mode_state"),  # 0.6.2 - 0.7.x
+    ),
+    "gpu": (("jax._src.pallas.mosaic_gpu.interpret.gpu_callbacks", "reset_gpu_interpret_mode_state"),),  # 0.9.0+
+}
+
+
+def reset_interpreter(interpreter: str) -> None:
+    """Clear ``interpreter``'s global state, as its own clean-up does when a kernel returns.
+
+    Needed where an error stops a computation before that clean-up runs: the next kernel would
+    otherwise find the old simulated memory (an AssertionError inside the interpreter) and the
+    old race detector (a race reported in a kernel that has none)."""
+    reset = first_attribute(_RESETS.get(interpreter, ()))
+    if reset is None:
+        note_missing(f"{interpreter.upper()} interpret mode state reset", "a kernel after a race may fail")
+        return
+    reset()
+
+
 def races_found(interpreter: str = "tpu") -> bool | None:
     """Whether ``interpreter``'s race detector flagged the last kernel; None if unknown."""
     for module_name, attribute in _RACE_STATES.get(interpreter, ()):

@@ -18,7 +18,7 @@ import types
 from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple
 
-from pallas_guard_autoload import CHECKS_ENV
+from pallas_guard_autoload import CHECKS_ENV, MAX_STEPS_ENV
 
 from . import _internals
 from ._enums import Interpreter
@@ -55,8 +55,9 @@ class Candidates(NamedTuple):
     """The interpreter's race detector on: a race is reported as ``PallasGuardError``."""
     checked: frozenset[str] = frozenset()
     """The checks (``races``, ``bounds``) the chosen interpreter applies."""
-    unchecked: str | None = None
-    """Checks that were asked for but cannot apply to this kernel, and why (a warning says so)."""
+    checks_note: str | None = None
+    """What the checks asked for mean for this kernel, for a warning: that they cannot apply, and
+    why; or that they chose an interpreter much slower than the one it would run in unchecked."""
     lacking: bool = False
     """An interpreter the facts call for is missing in this jax: the front door still wraps the
     kernel, to explain its failure."""
@@ -255,30 +256,40 @@ def candidates(
     libraries (README, "How the interpreter is chosen"). ``checks`` (races, bounds) move a kernel to
     the interpreter that can check it: TPU interpret mode for TPU-style kernels, the Mosaic-GPU
     interpreter for Mosaic-GPU ones; a kernel neither can run keeps its interpreter, unchecked
-    (``Candidates.unchecked`` says why).
+    (``Candidates.checks_note`` says why, or says what a check that moved the kernel off the plain
+    interpreter costs).
     """
     if inside_lowering:
         # Traced from another primitive's lowering rule: TPU/GPU params would need effect tokens
         # that lowering has no place for (KeyError: OrderedIOEffect); the net's plain one works.
         chosen = PLAIN_ONLY._replace(reason="traced during lowering, where only the plain interpreter can be used")
-        return chosen._replace(unchecked=_unchecked(checks, chosen.reason))
+        return chosen._replace(checks_note=_unchecked(checks, chosen.reason))
     forced = setting.value
-    if checks and forced in (Interpreter.AUTO, Interpreter.TPU) and facts.family in (None, "mosaic_tpu"):
-        return Candidates(
-            ("tpu",),
-            f"TPU interpret mode, which checks {', '.join(sorted(checks))} (from {checks_from})",
-            detect_races="races" in checks,
-            eager_dmas=facts.cross_device is not None,
-            checked=checks,
-        )
-    if checks and forced in (Interpreter.AUTO, Interpreter.GPU) and facts.family == "mosaic_gpu":
-        return Candidates(
-            ("gpu",),
-            f"the Mosaic-GPU interpreter, which checks {', '.join(sorted(checks))} (from {checks_from})",
-            detect_races="races" in checks,
-            checked=checks,
-        )
     chosen = _by_facts(setting, facts)
+    checking = None
+    if checks and forced in (Interpreter.AUTO, Interpreter.TPU) and facts.family in (None, "mosaic_tpu"):
+        checking = "tpu"
+    elif checks and forced in (Interpreter.AUTO, Interpreter.GPU) and facts.family == "mosaic_gpu":
+        checking = "gpu"
+    if checking is not None:
+        listed = ", ".join(sorted(checks))
+        slower = None
+        if chosen.names[0] == "plain":
+            # The only cost a check adds that the user may not expect: tens to hundreds of times the
+            # plain interpreter's time on JAX's TPU kernels (benchmarks/run.py, row 4b).
+            slower = (
+                f"runs in {describe_interpreter(checking)} for the {listed} check (from {checks_from}), much "
+                "slower than the plain interpreter it runs in unchecked (tens to hundreds of times on "
+                f"JAX's TPU kernels); for affordable CI use small shapes, or bound it with {MAX_STEPS_ENV}"
+            )
+        return Candidates(
+            (checking,),
+            f"{describe_interpreter(checking)}, which checks {listed} (from {checks_from})",
+            detect_races="races" in checks,
+            eager_dmas=checking == "tpu" and facts.cross_device is not None,
+            checked=checks,
+            checks_note=slower,
+        )
     if checks:
         why = (
             f"interpreter {forced.value!r} is forced by {setting.source}"
@@ -286,12 +297,12 @@ def candidates(
             else f"{_FAMILY_NAMES.get(facts.family or '', 'these')} kernels run in the plain interpreter, "
             "which checks neither races nor out-of-bounds reads"
         )
-        chosen = chosen._replace(unchecked=_unchecked(checks, why))
+        chosen = chosen._replace(checks_note=_unchecked(checks, why))
     return chosen
 
 
 def _unchecked(checks: frozenset[str], why: str) -> str | None:
-    return f"{', '.join(sorted(checks))} could not be checked: {why}" if checks else None
+    return f"runs unchecked: {', '.join(sorted(checks))} could not be checked: {why}" if checks else None
 
 
 def _by_facts(setting: Setting[Interpreter], facts: KernelFacts) -> Candidates:  # noqa: PLR0911

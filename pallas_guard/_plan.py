@@ -127,7 +127,12 @@ def plan(situation: Situation) -> Plan:  # noqa: PLR0911, PLR0912 - one return p
 
 def _needs_front_door(candidates: Candidates) -> bool:
     """Whether the front door must act: another interpreter than plain, or a choice to verify."""
-    return candidates.names != ("plain",) or candidates.verify or candidates.unchecked is not None or candidates.lacking
+    return (
+        candidates.names != ("plain",)
+        or candidates.verify
+        or candidates.checks_note is not None  # a warning to give
+        or candidates.lacking
+    )
 
 
 def grid_steps(grid: tuple[Any, ...] | None) -> int | None:

@@ -131,6 +131,27 @@ def test_bounds_check_raises_on_an_out_of_bounds_read(guard: Callable[..., None]
     assert {d.interpreter for d in pallas_guard.decisions()} == {"tpu"}
 
 
+def test_a_check_that_moves_a_kernel_off_plain_warns_of_the_cost_at_the_users_line(
+    guard: Callable[..., None],
+) -> None:
+    guard("interpret", checks="bounds")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        np.testing.assert_array_equal(_oob(8), np.arange(8, 16))
+    (warning,) = [w for w in caught if "much slower" in str(w.message)]
+    assert issubclass(warning.category, pallas_guard.PallasGuardWarning)
+    assert (warning.filename, warning.lineno) == (__file__, line_of("CALL-SITE-OOB"))
+    text = str(warning.message)
+    assert "'oob_kernel'" in text and "runs in TPU interpret mode for the bounds check (from install(" in text
+    assert "PALLAS_GUARD_MAX_STEPS" in text
+    # Without checks the same kernel runs in the plain interpreter, and nothing is said of cost.
+    guard("interpret", checks="none")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _oob(8)
+    assert not [w for w in caught if "much slower" in str(w.message)]
+
+
 def test_bounds_check_under_jit_surfaces_in_jaxs_runtime_error(guard: Callable[..., None]) -> None:
     guard("interpret")
     with pallas_guard.policy(checks=["bounds"]), pytest.raises(Exception, match="Out-of-bounds read"):
@@ -275,3 +296,6 @@ def test_a_race_in_a_mosaic_gpu_kernel_is_reported_naming_the_kernel(guard: Call
     assert isinstance(info.value, pallas_guard.PallasGuardError) is not jitted  # under jit: JAX's runtime error
     assert "the Mosaic-GPU interpreter with race detection (PALLAS_GUARD_CHECKS=races)" in str(info.value)
     assert {d.interpreter for d in pallas_guard.decisions()} == {"gpu"}
+    # The finding leaves the interpreter clean: the next kernel runs, and no race is reported in it
+    # (under jit the error stops the computation before the interpreter's own clean-up).
+    np.testing.assert_array_equal(_mgpu_threads(False)(), [0, 1])

@@ -223,12 +223,26 @@ def test_forced_interpreter_wins_over_facts(forced: str) -> None:
 
 def test_race_detection_means_tpu_interpret_mode_with_the_detector_on() -> None:
     chosen = _interpreters.candidates(AUTO, _interpreters.GENERIC, checks=frozenset({"races"}))
-    assert chosen.names == ("tpu",) and chosen.detect_races and chosen.unchecked is None
+    assert chosen.names == ("tpu",) and chosen.detect_races
     assert _interpreters.params("tpu", chosen).detect_races is True
+    # Unchecked, it would run in the plain interpreter: the warning says what the check costs.
+    assert "much slower than the plain interpreter it runs in unchecked" in (chosen.checks_note or "")
     # A Triton kernel cannot run in TPU interpret mode: race detection does not apply to it.
     triton = _interpreters.kernel_facts("pallas_call", copy_kernel, {"compiler_params": _triton_params()})
     unchecked = _interpreters.candidates(AUTO, triton, checks=frozenset({"races"}))
-    assert unchecked.names == ("plain",) and "races could not be checked" in (unchecked.unchecked or "")
+    assert unchecked.names == ("plain",) and "races could not be checked" in (unchecked.checks_note or "")
+
+
+def test_a_check_warns_of_its_cost_only_where_it_moves_a_kernel_off_plain() -> None:
+    races = frozenset({"races"})
+    mosaic_tpu = _interpreters.kernel_facts("pallas_call", dma_kernel, {"compiler_params": pltpu.CompilerParams()})
+    assert "much slower" in (_interpreters.candidates(AUTO, mosaic_tpu, checks=races).checks_note or "")
+    # Kernels whose first interpreter is already the checking one pay nothing more for the check.
+    core_mesh = _interpreters.kernel_facts("pl.kernel", copy_kernel, {"mesh": _core_mesh()})
+    mosaic_gpu = _interpreters.kernel_facts("plgpu.kernel", copy_kernel, {})
+    for facts, checking in ((core_mesh, "tpu"), (mosaic_gpu, "gpu")):
+        chosen = _interpreters.candidates(AUTO, facts, checks=races)
+        assert chosen.names == (checking,) and chosen.checked == races and chosen.checks_note is None
 
 
 def test_inside_a_lowering_only_plain_is_possible() -> None:
@@ -315,6 +329,9 @@ def test_race_under_jit_names_the_kernel(guard: Callable[..., None], monkeypatch
     # Under jit the check runs in a callback after the kernel: JAX wraps its error in its own.
     with pytest.raises(Exception, match=r"PallasGuardError: pallas_guard: a data race was detected in .*racy_kernel"):
         jax.block_until_ready(jax.jit(functools.partial(_dma_call, racy_kernel))(x))
+    # The error stopped the computation before TPU interpret mode cleaned up: the guard did it, so
+    # the next kernel runs and is not reported for the race of the last one.
+    np.testing.assert_array_equal(_dma_call(dma_kernel, x), x)
 
 
 def test_env_switches_race_detection_on() -> None:
