@@ -278,7 +278,8 @@ def reset_interpreter(interpreter: str) -> None:
     Needed where an error stops a computation before that clean-up runs: the next kernel would
     otherwise find the old simulated memory (an AssertionError inside the interpreter) and the
     old race detector (a race reported in a kernel that has none)."""
-    reset = first_attribute(_RESETS.get(interpreter, ()))
+    locations = _RESETS.get(interpreter, ())
+    reset = first_attribute(locations)
     if reset is None:
         note_missing(f"{interpreter.upper()} interpret mode state reset", "a kernel after a race may fail")
         return
