@@ -196,6 +196,7 @@ def rows(*, quick: bool = False, pairs: int | None = None) -> list[Row]:
             )
         )
     result.append(_bounds_row(bounds_costs, bounds_failures))
+    pallas_guard._settings.reset()  # the interpreters and checks the modes pinned: rows after see none
     if was_installed:
         pallas_guard.install()
     return result
