@@ -55,10 +55,8 @@ def _mode(mode: str) -> Iterator[None]:
         with pltpu.force_tpu_interpret_mode():
             yield
         return
-    if mode in ("guard", "bounds"):
-        pallas_guard.install("interpret", interpreter="auto", checks="bounds" if mode == "bounds" else "none")
-    else:
-        pallas_guard.install("interpret", interpreter=mode, checks="none")
+    interpreter = "auto" if mode in ("guard", "bounds") else mode
+    pallas_guard.install("interpret", interpreter=interpreter, checks="bounds" if mode == "bounds" else "none")
     try:
         yield
     finally:
@@ -81,6 +79,17 @@ def _compile(case: Any, mode: str) -> tuple[Callable[[], Any] | None, str]:
     except Exception as error:  # a mode that cannot run this kernel: recorded, not raised
         return None, f"{type(error).__name__}"
     return (lambda: jax.block_until_ready(compiled(*inputs))), ""
+
+
+def _compile_choosing(case: Any, mode: str) -> tuple[Callable[[], Any] | None, str, str]:
+    """As :func:`_compile` for a mode under the guard, with the interpreters it chose ("/"-joined)."""
+    import pallas_guard
+
+    pallas_guard.clear_decisions()
+    compiled, why = _compile(case, mode)
+    chosen = {str(d.interpreter) for d in pallas_guard.decisions() if d.action == "interpreted"}
+    pallas_guard.clear_decisions()
+    return compiled, why, "/".join(sorted(chosen))
 
 
 def _timed(function: Callable[[], Any], repeats: int = 1) -> Callable[[], Sample]:
@@ -149,10 +158,7 @@ def rows(*, quick: bool = False, pairs: int | None = None) -> list[Row]:
                 Row(name, None, TARGET, note=f"needs {case.devices} CPU devices: python benchmarks/kernels.py")
             )
             continue
-        pallas_guard.clear_decisions()
-        guard, why = _compile(case, "guard")
-        chosen = {d.interpreter for d in pallas_guard.decisions() if d.action == "interpreted"}
-        pallas_guard.clear_decisions()
+        guard, why, chosen = _compile_choosing(case, "guard")
         forced = {mode: _compile(case, mode) for mode in FORCED}
         jax_tpu, _ = _compile(case, "jax-tpu")
         passing = {mode: fn for mode, (fn, _) in forced.items() if fn is not None}
@@ -171,10 +177,7 @@ def rows(*, quick: bool = False, pairs: int | None = None) -> list[Row]:
         )
         jax_tpu_text = f"{_median_seconds(jax_tpu, 3) * 1e3:.1f} ms" if jax_tpu is not None else "fails"
         if "plain" in seconds:
-            pallas_guard.clear_decisions()
-            bounds, why = _compile(case, "bounds")
-            checked_in = "/".join(sorted({str(d.interpreter) for d in pallas_guard.decisions()}))
-            pallas_guard.clear_decisions()
+            bounds, why, checked_in = _compile_choosing(case, "bounds")
             if bounds is None:
                 bounds_failures[case.name] = why
             else:
@@ -189,7 +192,7 @@ def rows(*, quick: bool = False, pairs: int | None = None) -> list[Row]:
                 wall_ratio=comparison.ratio("wall"),
                 pairs=pairs,
                 detail=(
-                    f"guard chose {'/'.join(sorted(str(c) for c in chosen))} "
+                    f"guard chose {chosen} "
                     f"{comparison.median('a') * 1e3:.1f} ms; best forced: {best}; {times}; "
                     f"force_tpu_interpret_mode {jax_tpu_text}"
                 ),

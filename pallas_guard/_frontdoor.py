@@ -29,9 +29,12 @@ class _KernelCall:
     def __init__(self, entry: EntryPoint, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self.entry, self.args, self.kwargs = entry, args, kwargs
 
-    @functools.cached_property
+    decorated: Any = None
+    """The body a decorator form (``@pl.kernel(mesh=...)``) was applied to, once it was."""
+
+    @property
     def body(self) -> Any:
-        return self.entry.body(self.args, self.kwargs)
+        return self.decorated if self.decorated is not None else self.entry.body(self.args, self.kwargs)
 
     @functools.cached_property
     def grid(self) -> tuple[Any, ...] | None:
@@ -40,14 +43,10 @@ class _KernelCall:
             grid = getattr(self.kwargs.get("grid_spec"), "grid", None)
         return (grid,) if isinstance(grid, int) else tuple(grid) if grid is not None else None
 
-    decorated: Any = None
-    """The body a decorator form (``@pl.kernel(mesh=...)``) was applied to, once it was."""
-
     def given_body(self, body: Any) -> None:
         """A decorator form received its body: diagnostics name it, rebuilds apply to it."""
-        self.__dict__["body"] = body
-        self.__dict__.pop("info", None)
         self.decorated = body
+        self.__dict__.pop("info", None)
 
     @functools.cached_property
     def info(self) -> _diagnostics.KernelInfo:
@@ -198,7 +197,7 @@ class _Guarded:
             if not self.candidates.verify:
                 self.commit(name)
             kernel = built(body, *args, **kwargs)
-            self._built = {name: kernel}  # what a rebuild for this interpreter would give
+            self._built[name] = kernel  # what a rebuild for this interpreter would give
             return self.wrap_kernel(kernel)
 
         return decorator
