@@ -23,14 +23,17 @@ def carry_out(
     policy: Setting[Policy],
     interpreter: str | None = None,
     tried: tuple[str, ...] = (),
+    notes: tuple[str, ...] = (),
     grid: tuple[Any, ...] | None = None,
     budget: Setting[int | None] | None = None,
 ) -> None:
     """Refuse (raise ``PallasGuardError``), or warn and record what ``plan`` does with ``kernel``.
 
     ``interpreter`` is the one running it (interpreted), or the one the caller chose (untouched);
-    ``tried`` lists the interpreters verified before it, each with its outcome.
+    ``tried`` lists the interpreters verified before it, each with its outcome; ``notes`` what the
+    checks asked for mean for this kernel (recorded, never warned: a check must not fail a test).
     """
+    __tracebackhide__ = True
 
     def record(action: str, warned: bool = False) -> None:
         if plan.record:
@@ -52,6 +55,7 @@ def carry_out(
                 tried=tried,
                 steps=plan.steps,
                 policy_source=policy.source,
+                notes=notes,
             )
 
     if plan.action is Action.REFUSE and plan.over_budget:

@@ -287,6 +287,44 @@ def no_interpreter(
     return PallasGuardError("\n".join(lines))
 
 
+def unexportable(
+    *, kernel: KernelInfo, call_site: CallSite, interpreter: str, why: str, tried: tuple[str, ...]
+) -> PallasGuardError:
+    """A kernel exported for the CPU that only an interpreter running on host callbacks can run."""
+    tried_lines = [f"  - {line}" for line in tried]
+    return PallasGuardError(
+        "\n".join(
+            [
+                f"pallas_guard: {_describe(kernel, call_site)} cannot be exported for the CPU: it runs only in "
+                f"{_interpreters.describe_interpreter(interpreter)} ({why}), which runs the kernel through host "
+                "callbacks, and jax.export cannot serialize host callbacks.",
+                *(["Tried:", *tried_lines] if tried_lines else []),
+                "To fix: export for the accelerator the kernel is written for (platforms=['tpu'] or ['cuda']), "
+                "and run the CPU version without exporting it.",
+            ]
+        )
+    )
+
+
+def add_note(error: BaseException, note: str) -> None:
+    """Attach ``note`` to ``error`` (PEP 678), keeping its type: the user's handlers still match."""
+    if note not in getattr(error, "__notes__", ()):
+        error.add_note(note)
+
+
+def runtime_failure_note(*, kernel: KernelInfo, interpreter: str, why: str, tried: list[tuple[str, str, str]]) -> str:
+    """What the guard knows of a kernel that lowered in ``interpreter`` and then failed running."""
+    lines = [
+        f"pallas_guard: {_describe(kernel, NOWHERE)} failed while running in "
+        f"{_interpreters.describe_interpreter(interpreter)}, the interpreter chosen for it ({why}).",
+        *(f"  - {_interpreters.describe_interpreter(n)}: {when} ({first})" for n, first, when in tried),
+        f"To force another interpreter: {INTERPRETER_ENV}=plain|tpu|gpu (or pallas_guard.policy(interpreter=...)); "
+        "if the kernel comes from a library, it may have an interpret option of its own, which can build a "
+        "kernel the interpreters run.",
+    ]
+    return "\n".join(lines)
+
+
 def race_error(*, kernel: KernelInfo, call_site: CallSite, interpreter: str = "tpu") -> PallasGuardError:
     text = message(
         refused=False,
@@ -329,12 +367,6 @@ def bounds_error(error: BaseException, *, kernel: KernelInfo, call_site: CallSit
         f"pallas_guard: an out-of-bounds read in {_describe(kernel, call_site)}, found by the bounds check "
         f"({CHECKS_ENV}=bounds; the plain interpreter would have clamped it silently): {finding}"
     )
-
-
-def warn_checks(*, kernel: KernelInfo, call_site: CallSite, note: str) -> None:
-    """What the checks asked for mean for this kernel: they cannot apply to it (a family no checking
-    interpreter runs), or they chose an interpreter much slower than plain (``Candidates.checks_note``)."""
-    _warn_at(call_site, f"pallas_guard: {_describe(kernel, call_site)} {note}.")
 
 
 def check_races(out: Any, *, kernel: KernelInfo, call_site: CallSite, interpreter: str = "tpu") -> None:

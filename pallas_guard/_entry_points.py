@@ -22,6 +22,8 @@ class EntryPoint(NamedTuple):
     lowers_through_mpmd: bool
     """Where ``jax._src.pallas.mpmd`` exists (jax >= 0.9.1), its kernels lower through ``mpmd_map_p``
     and the ``mpmd_map`` net catches them; otherwise the ``pallas_call`` net does."""
+    runs_when_applied: bool = False
+    """The decorator it returns runs the body when applied (``core_map``): applying it is the call."""
 
     def body(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
         """The kernel body the caller passed, or None (a decorator form, or ``core_map``)."""
@@ -45,7 +47,7 @@ ENTRY_POINTS = (
     PALLAS_CALL,
     EntryPoint("pl.kernel", PALLAS_MODULE, "kernel", "body", "mesh", True),
     # A module __getattr__ serves it from jax 0.11.2 (deprecated); only a plain attribute is wrapped.
-    EntryPoint("pl.core_map", PALLAS_MODULE, "core_map", None, "0", True),
+    EntryPoint("pl.core_map", PALLAS_MODULE, "core_map", None, "0", True, runs_when_applied=True),
     EntryPoint("plgpu.kernel", MOSAIC_GPU_MODULE, "kernel", "body", None, True),
 )
 BY_LABEL = {entry.label: entry for entry in ENTRY_POINTS}

@@ -16,6 +16,7 @@ import pallas_guard_autoload
 from . import _settings
 from ._entry_points import ENTRY_POINTS, MODULES, PALLAS_MODULE, EntryPoint
 from ._enums import Interpreter, Policy
+from ._ledger import Ledger
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +60,8 @@ class Installation:
         # it refuses with a diagnostic instead of deferring to a net that is not there.
         self.net_gaps: dict[str, str] = {}
         self.routes_via_mpmd = False
+        self.ledger = Ledger()
+        """What the front door and the lowering net share about kernels."""
 
     def is_active(self) -> bool:
         return self.active
@@ -120,6 +123,7 @@ class Installation:
 
     def _undo_locked(self) -> None:
         self.active = False
+        self.ledger.clear()
         while self.patches:
             self.patches.pop().restore()
         while self.rules:

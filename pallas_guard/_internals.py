@@ -111,6 +111,78 @@ def has_mpmd_module() -> bool:
     return import_optional("jax._src.pallas.mpmd") is not None
 
 
+# --- interpreters: their params classes ---------------------------------------------------------
+
+
+def tpu_params_class() -> type | None:
+    """TPU interpret mode's ``InterpretParams`` (the concrete class, never a shared base)."""
+    return first_attribute(
+        [
+            ("jax.experimental.pallas.tpu", "InterpretParams"),
+            ("jax._src.pallas.mosaic.interpret.params", "InterpretParams"),  # 0.10.0+
+            ("jax._src.pallas.mosaic.interpret.interpret_pallas_call", "InterpretParams"),  # 0.8.0 - 0.9.2
+            ("jax._src.pallas.mosaic.interpret", "InterpretParams"),  # 0.6.2 - 0.7.2
+        ]
+    )
+
+
+def gpu_params_class() -> type | None:
+    """The Mosaic-GPU interpreter's params class: ``InterpretGPUParams`` (public in 0.11.1+), or the
+    ``plgpu.InterpretParams`` name proposed upstream, or the 0.9.x internal one."""
+    return first_attribute(
+        [
+            ("jax._src.pallas.mosaic_gpu.interpret.params", "InterpretGPUParams"),  # 0.10.0+
+            ("jax.experimental.pallas.mosaic_gpu", "InterpretGPUParams"),  # public 0.11.1+
+            ("jax.experimental.pallas.mosaic_gpu", "InterpretParams"),  # proposed public name
+            ("jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call", "InterpretParams"),  # 0.9.x
+        ]
+    )
+
+
+def interpreter_of(value: Any) -> str | None:
+    """Which interpreter an ``interpret=`` value selects: ``plain``, ``tpu``, ``gpu``; None if falsy."""
+    if not value:
+        return None
+    if value is True:
+        return "plain"
+    module = type(value).__module__
+    if "mosaic_gpu" in module:
+        return "gpu"
+    if "mosaic" in module:
+        return "tpu"
+    return type(value).__name__
+
+
+# --- tracing and exporting ------------------------------------------------------------------------
+
+
+def tracing() -> bool:
+    """True while JAX traces (inside ``jit``, ``vmap``, ...): a kernel called now runs later, for
+    whatever platforms the trace is lowered for. False for an eager call, which runs now on the
+    default device."""
+    core = import_optional("jax._src.core")
+    clean = getattr(core, "trace_state_clean", None)
+    return True if clean is None else not clean()
+
+
+_EXPORT_MODULE = "jax._src.export._export"
+
+
+def export_platforms() -> tuple[str, ...] | None:
+    """The platforms of the ``jax.export`` that is tracing right now, or None outside an export.
+
+    ``do_export`` settles its lowering platforms before it traces; the frame keeps them."""
+    frame: types.FrameType | None = sys._getframe(1)  # noqa: SLF001 - a few frames, no source reads
+    while frame is not None:
+        if frame.f_globals.get("__name__") == _EXPORT_MODULE:
+            platforms = frame.f_locals.get("actual_lowering_platforms")
+            if isinstance(platforms, tuple) and all(isinstance(p, str) for p in platforms):
+                return platforms
+            return ()  # an export whose platforms this jax keeps elsewhere: unknown
+        frame = frame.f_back
+    return None
+
+
 # --- MLIR lowering registries -------------------------------------------------------------------
 
 

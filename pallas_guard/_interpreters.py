@@ -11,7 +11,6 @@ module of ``compiler_params``/mesh/grid spec/scratch types, and the names the bo
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import linecache
 import types
@@ -66,27 +65,6 @@ class Candidates(NamedTuple):
 
 
 PLAIN_ONLY = Candidates(("plain",), "the plain interpreter runs single-device kernels correctly and fastest")
-
-
-def tpu_params_class() -> type | None:
-    return _internals.first_attribute(
-        [
-            ("jax.experimental.pallas.tpu", "InterpretParams"),
-            ("jax._src.pallas.mosaic.interpret.params", "InterpretParams"),
-            ("jax._src.pallas.mosaic.interpret.interpret_pallas_call", "InterpretParams"),
-            ("jax._src.pallas.mosaic.interpret", "InterpretParams"),
-        ]
-    )
-
-
-def gpu_params_class() -> type | None:
-    return _internals.first_attribute(
-        [
-            ("jax._src.pallas.mosaic_gpu.interpret.params", "InterpretGPUParams"),
-            ("jax.experimental.pallas.mosaic_gpu", "InterpretGPUParams"),
-            ("jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call", "InterpretParams"),
-        ]
-    )
 
 
 # --- kernel facts ---------------------------------------------------------------------------------
@@ -356,45 +334,12 @@ def _by_facts(setting: Setting[Interpreter], facts: KernelFacts) -> Candidates: 
     return PLAIN_ONLY
 
 
-def entry_kwargs(name: str, facts: KernelFacts, kwargs: Mapping[str, Any], value: Any) -> dict[str, Any]:
-    """The entry point's keyword arguments that run the kernel in interpreter ``name`` with ``value``:
-    TPU interpret mode accepts only TPU compiler_params, and a Triton or Mosaic-GPU kernel's are
-    hints for a compiler it does not use."""
-    kwargs = dict(kwargs)
-    if value is not None:
-        kwargs["interpret"] = value
-    if name == "tpu" and facts.family in ("triton", "mosaic_gpu"):
-        kwargs["compiler_params"] = None
-    return kwargs
-
-
-def params(name: str, chosen: Candidates) -> Any:
-    """The ``interpret=`` value that runs a kernel in interpreter ``name``; None for plain (the
-    lowering net substitutes ``True``), or when this jax lacks that interpreter."""
-    if name == "plain":
-        return None
-    cls = tpu_params_class() if name == "tpu" else gpu_params_class()
-    if cls is None:
-        _internals.note_missing(f"{name.upper()} interpret params class", f"the {name} interpreter is unavailable")
-        return None
-    overrides: dict[str, Any] = {}
-    if name == "tpu" and chosen.eager_dmas:
-        # With the default "on_wait" DMA execution, remote copies land late: the all-gather kernel
-        # returns NaN shards. Eager execution is what makes cross-device kernels correct.
-        overrides["dma_execution_mode"] = "eager"
-    if chosen.detect_races:
-        # "warn" (jax >= 0.12) lets the kernel finish so the guard can name it in its error.
-        overrides.update(detect_races=True, on_race="warn")
-    if "bounds" in chosen.checked:
-        overrides["out_of_bounds_reads"] = "raise"  # the default today; explicit, as it is asked for
-    # Only the fields this jax's class has (dma_execution_mode, on_race, ... vary by version).
-    fields = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set(overrides)
-    return cls(**{k: v for k, v in overrides.items() if k in fields})
-
-
 def available(name: str) -> bool:
     """Whether this jax has interpreter ``name`` (a missing one is reported once)."""
-    if name == "plain" or (tpu_params_class() if name == "tpu" else gpu_params_class()) is not None:
+    if (
+        name == "plain"
+        or (_internals.tpu_params_class() if name == "tpu" else _internals.gpu_params_class()) is not None
+    ):
         return True
     _internals.note_missing(
         f"{name.upper()} interpret params class", f"the {name} interpreter is unavailable; using the plain one"
@@ -472,7 +417,7 @@ def explain_failure(error: BaseException, *, interpreter: str, family: str | Non
     if isinstance(error, AttributeError | AssertionError) and "cuda_versions" in text:
         return "the kernel's host code asks for the CUDA runtime version, which jaxlib has only with a CUDA plugin"
     if family == "mosaic_gpu" and interpreter != "gpu":
-        have = gpu_params_class() is not None
+        have = _internals.gpu_params_class() is not None
         return "it is a Mosaic-GPU kernel; only the Mosaic-GPU interpreter implements its primitives" + (
             "" if have else ", and this jax has none (jax >= 0.9.0 has it)"
         )

@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from . import _act, _diagnostics, _internals, _plan, _settings, _state, _target
+from . import _act, _diagnostics, _internals, _plan, _settings, _target
+from ._ledger import Guarding
 
 LoweringRule = Callable[..., Any]
 
@@ -21,23 +22,29 @@ def _lowering_platforms(ctx: Any) -> tuple[str, ...]:
     return tuple(platforms) if platforms else ("cpu",)
 
 
-def make_cpu_rule(entry_point: str, delegate: LoweringRule, installation: Any) -> LoweringRule:
+def make_cpu_rule(entry_point: str, delegate: LoweringRule, installation: Guarding) -> LoweringRule:
     """A CPU rule that plans for the kernel, carries the plan out, then hands over to JAX's own rule."""
 
     def pallas_guard_cpu_rule(ctx: Any, *in_nodes: Any, **params: Any) -> Any:
-        if not installation.active or _state.verifying():
+        if not installation.active:
             return delegate(ctx, *in_nodes, **params)
         interpret = params.get("interpret")
+        ledger = installation.ledger
+        if ledger.verifying():
+            # The front door lowers a candidate on trial, or runs an eager plain call it records
+            # itself: the plain interpreter, silently.
+            return delegate(ctx, *in_nodes, **{**params, "interpret": interpret or True})
         policy = _settings.current_policy()
+        budget = _settings.max_steps()
         grid_mapping = params.get("grid_mapping")
         situation = _plan.Situation(
             "lowering",
             policy.value,
             "cpu",
             interpret=interpret,
-            injected=_state.is_injected(interpret),
+            injected=ledger.is_injected(interpret),
             grid=tuple(grid_mapping.grid) if grid_mapping is not None else None,
-            max_steps=_settings.max_steps().value,
+            max_steps=budget.value,
         )
         plan = _plan.plan(situation)
         if plan.record or plan.action is not _plan.Action.UNTOUCHED:
@@ -48,8 +55,9 @@ def make_cpu_rule(entry_point: str, delegate: LoweringRule, installation: Any) -
                 on_stack = _diagnostics.user_call_site()
                 if on_stack.is_users:  # the library frame the equation recorded stays beside it
                     call_site = on_stack._replace(via=on_stack.via or call_site.via or call_site.user)
-            kernel = _diagnostics.kernel_from_params(params, entry_point=entry_point)
+            kernel = ledger.called() or _diagnostics.kernel_from_params(params, entry_point=entry_point)
             untouched = plan.action is _plan.Action.UNTOUCHED
+            tried, notes = ledger.left_to_net(kernel) if plan.action is _plan.Action.INTERPRET else ((), ())
             _act.carry_out(
                 plan,
                 layer="lowering",
@@ -57,10 +65,11 @@ def make_cpu_rule(entry_point: str, delegate: LoweringRule, installation: Any) -
                 call_site=call_site,
                 target=_target.lowering_target(_lowering_platforms(ctx)),
                 policy=policy,
-                interpreter=_state.interpreter_name(interpret) if untouched else "plain",
-                tried=_state.verified(kernel.defined_at) if plan.action is _plan.Action.INTERPRET else (),
+                interpreter=_internals.interpreter_of(interpret) if untouched else "plain",
+                tried=tried,
+                notes=notes,
                 grid=situation.grid,
-                budget=_settings.max_steps(),
+                budget=budget,
             )
         if plan.action is _plan.Action.INTERPRET:
             return delegate(ctx, *in_nodes, **{**params, "interpret": True})
@@ -92,7 +101,7 @@ class InstalledRule:
 
 
 def install_rule(
-    registry: _internals.LoweringRegistry, primitive: Any, entry_point: str, installation: Any
+    registry: _internals.LoweringRegistry, primitive: Any, entry_point: str, installation: Guarding
 ) -> InstalledRule | None:
     previous = registry.cpu.get(primitive)
     # If JAX ever ships its own CPU rule, delegate to it rather than to the common rule.

@@ -39,8 +39,6 @@ class Situation(NamedTuple):
     """JAX's own ``force_*_interpret_mode`` value, which JAX applies itself when truthy."""
     injected: bool = False
     """Lowering: ``interpret`` is the value the front door chose (already recorded)."""
-    inside_export: bool = False
-    """Front door: ``jax.export`` is tracing; its platforms are chosen at lowering."""
     net_gap: str | None = None
     """Front door: why the lowering net that would catch this kernel is not installed."""
     accelerator_plugins: bool = False
@@ -67,9 +65,6 @@ class Plan(NamedTuple):
     """``INTERPRET`` (or ``REFUSE`` over the budget): the grid steps the interpreter runs, where known."""
     over_budget: bool = False
     """``REFUSE`` because the grid has more steps than the budget."""
-    replan: bool = False
-    """``DEFER`` of a kernel that needs the front door, built before the target was known: plan
-    again when the kernel is called."""
 
 
 def plan(situation: Situation) -> Plan:  # noqa: PLR0911, PLR0912 - one return per row of the table
@@ -84,11 +79,7 @@ def plan(situation: Situation) -> Plan:  # noqa: PLR0911, PLR0912 - one return p
     fallback = None
     if s.platform is None:
         if s.net_gap is None or s.accelerator_plugins:
-            # Known when the kernel is called (its arguments exist by then), where it matters.
-            replan = (
-                not at_net and not s.inside_export and s.candidates is not None and _needs_front_door(s.candidates())
-            )
-            return Plan(Action.DEFER, "target unknown when the kernel is built; decided later", replan=replan)
+            return Plan(Action.DEFER, "target unknown when the kernel is called; the lowering net decides")
         # Deferring to a net that is not there would be the guard silently doing nothing; with no
         # accelerator plugin installed JAX can only use the CPU.
         fallback = f"{s.net_gap}, and the target is not configured while no accelerator plugin is installed"
@@ -97,8 +88,9 @@ def plan(situation: Situation) -> Plan:  # noqa: PLR0911, PLR0912 - one return p
     if fallback is not None:
         return Plan(Action.REFUSE, f"falls back to strict: {fallback}", record=True, fallback=fallback)
     if s.policy is Policy.STRICT:
-        if s.inside_export:
-            return Plan(Action.DEFER, "inside jax.export: the export's platforms decide, at lowering")
+        if not at_net:
+            # Only lowering knows that this trace, or this branch of it, really targets the CPU.
+            return Plan(Action.DEFER, "policy strict: refused where the kernel lowers for the CPU")
         return Plan(Action.REFUSE, "policy strict: no interpreter without interpret=", record=True)
     reason = f"policy {s.policy.value}: target is the CPU"
     warn = s.policy is Policy.WARN
@@ -114,8 +106,6 @@ def plan(situation: Situation) -> Plan:  # noqa: PLR0911, PLR0912 - one return p
         )
     if at_net:
         return over_budget or Plan(Action.INTERPRET, reason, warn=warn, record=True, steps=steps)
-    if s.inside_export:
-        return Plan(Action.DEFER, "inside jax.export: the export's platforms decide, at lowering")
     assert s.candidates is not None, "the front door passes the kernel's candidates"
     candidates = s.candidates()
     if not _needs_front_door(candidates):

@@ -43,6 +43,9 @@ class Decision:
     """The grid steps an interpreted kernel runs (or would have run, refused over the budget)."""
     policy_source: str = ""
     """Where the policy came from: ``PALLAS_GUARD_POLICY``, ``PALLAS_INTERPRET``, an API call, ..."""
+    notes: tuple[str, ...] = ()
+    """What the checks asked for mean for this kernel: that they cannot apply to it, and why; or
+    that they chose an interpreter much slower than the one it runs in unchecked."""
 
     def __repr__(self) -> str:
         how = f" with the {self.interpreter} interpreter" if self.interpreter else ""
@@ -78,6 +81,7 @@ def note(
     tried: tuple[str, ...] = (),
     steps: int | None = None,
     policy_source: str = "",
+    notes: tuple[str, ...] = (),
 ) -> None:
     """Record what a layer did with ``kernel`` (the facts the diagnostics already gathered)."""
     add(
@@ -97,6 +101,7 @@ def note(
             tried=tried,
             steps=steps,
             policy_source=policy_source,
+            notes=notes,
         )
     )
 

@@ -12,9 +12,6 @@ from typing import NamedTuple
 
 from . import _internals
 
-# JAX_PLATFORMS aliases that name accelerators (xla_bridge._platform_aliases).
-_ACCELERATOR_ALIASES = frozenset({"gpu", "cuda", "rocm", "tpu", "metal", "oneapi", "neuron"})
-
 
 class Target(NamedTuple):
     """The platform a kernel will lower for, or None when configuration does not say."""
@@ -46,7 +43,11 @@ def _platforms_source(value: str) -> str:
 
 
 def detect() -> Target:
-    """The trace-time target from a default-device scope, ``jax_platforms``, or the live backend."""
+    """Where a kernel called now will lower: the platforms of a ``jax.export`` tracing it, else a
+    default-device scope, ``jax_platforms``, or the live backend."""
+    exporting = _internals.export_platforms()
+    if exporting is not None:
+        return _export_target(exporting)
     device = _internals.jax_config_value("jax_default_device")
     if device is not None:
         platform = _platform_of(device)
@@ -64,6 +65,17 @@ def detect() -> Target:
     return UNKNOWN
 
 
+def _export_target(platforms: tuple[str, ...]) -> Target:
+    """An export for the CPU alone is a CPU target; for several platforms each branch lowers for its
+    own (unknown here: the lowering net serves the CPU branch); for accelerators only, theirs."""
+    why = (f"jax.export for platforms {platforms!r}",)
+    if platforms == ("cpu",):
+        return Target("cpu", why)
+    if platforms and "cpu" not in platforms:
+        return Target(platforms[0], why)
+    return Target(None, why)
+
+
 def lowering_target(platforms: tuple[str, ...]) -> Target:
     """The target the lowering net sees: JAX is lowering this equation for the CPU now."""
     why = [f"JAX is lowering the kernel for {', '.join(platforms) or 'cpu'}"]
@@ -71,10 +83,6 @@ def lowering_target(platforms: tuple[str, ...]) -> Target:
     if configured.platform is not None:
         why.extend(configured.evidence)
     return Target("cpu", tuple(why))
-
-
-def is_accelerator(platform: str | None) -> bool:
-    return platform is not None and platform in _ACCELERATOR_ALIASES
 
 
 # --- evidence for "why is this CPU?" (package metadata and device files; cached) ---------------
@@ -137,11 +145,3 @@ def accelerator_evidence() -> list[str]:
             "JAX fell back to the CPU. Install one with: pip install -U 'jax[cuda12]' (or cuda13)."
         )
     return lines
-
-
-_EXPORT_MODULES = frozenset({"jax._src.export._export"})
-
-
-def inside_export() -> bool:
-    """True while ``jax.export`` traces: its platforms are chosen later, at lowering."""
-    return _internals.running_in(_EXPORT_MODULES)

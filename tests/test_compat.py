@@ -18,7 +18,7 @@ from conftest import ORIGINAL_PALLAS_CALL, REPO_ROOT, add, add_interpreted_by_ha
 from jax.experimental import pallas as pl
 
 import pallas_guard
-from pallas_guard import PallasGuardError, PallasGuardWarning, _install, _internals, _interpreters
+from pallas_guard import PallasGuardError, PallasGuardWarning, _install, _internals
 from pallas_guard._entry_points import BY_LABEL
 
 
@@ -110,7 +110,7 @@ def test_missing_mpmd_primitive_keeps_the_pallas_call_net(monkeypatch: pytest.Mo
 
 
 def test_missing_tpu_interpreter_falls_back_to_plain(monkeypatch: pytest.MonkeyPatch, xs: jax.Array) -> None:
-    monkeypatch.setattr(_interpreters, "tpu_params_class", lambda: None)
+    monkeypatch.setattr(_internals, "tpu_params_class", lambda: None)
     pallas_guard.install("interpret", interpreter="tpu")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -183,17 +183,18 @@ def test_mosaic_gpu_kernel_with_a_trivial_window_keeps_the_mosaic_gpu_interprete
 
 
 def test_verification_is_paid_once_per_kernel_and_shapes(guard: Callable[..., None]) -> None:
-    from pallas_guard import _frontdoor
+    from pallas_guard import _install
 
     guard("interpret")
+    ledger = _install.installation.ledger
     x = jnp.ones(8 * 128)
     _add_one_1d(x)
-    settled = dict(_frontdoor._settled)
+    settled = ledger.settled_count()
     jax.clear_caches()
     _add_one_1d(x + 1)  # a new pallas_call, the same kernel and shapes: no new trial
-    assert _frontdoor._settled == settled
+    assert ledger.settled_count() == settled
     _add_one_1d(jnp.ones(16 * 128))  # new shapes: verified again
-    assert len(_frontdoor._settled) == len(settled) + 1
+    assert ledger.settled_count() == settled + 1
 
 
 def test_no_interpreter_runs_it_one_error_lists_each(guard: Callable[..., None]) -> None:

@@ -420,11 +420,11 @@ def _bound_interpret_values(fn: Any, *args: Any) -> list[Any]:
 def test_interpret_params_reach_jax_by_identity(policy: str, xs: jax.Array) -> None:
     from jax.experimental.pallas import tpu as pltpu
 
-    from pallas_guard import _interpreters
+    from pallas_guard import _internals
 
     pallas_guard.install(policy, interpreter="gpu")  # a forced interpreter must not replace the user's
     params = [pltpu.InterpretParams()]
-    gpu_class = _interpreters.gpu_params_class()
+    gpu_class = _internals.gpu_params_class()
     if gpu_class is not None:
         params.append(gpu_class())
     for value in params:
@@ -441,12 +441,13 @@ def test_a_users_interpret_params_equal_to_an_injected_one_is_still_the_users() 
     identity, or a user's equal object goes unrecorded (seen when an earlier test left one alive)."""
     from jax.experimental.pallas import tpu as pltpu
 
-    from pallas_guard import _state
+    from pallas_guard._ledger import Ledger
 
+    ledger = Ledger()
     injected, users = pltpu.InterpretParams(), pltpu.InterpretParams()
-    _state.mark_injected(injected)
-    assert _state.is_injected(injected)
-    assert not _state.is_injected(users)
+    ledger.mark_injected(injected)
+    assert ledger.is_injected(injected)
+    assert not ledger.is_injected(users)
 
 
 def _jax_state() -> dict[str, dict[str, Any]]:

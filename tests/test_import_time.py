@@ -73,7 +73,7 @@ def test_target_is_unknown_before_backends_exist_and_read_from_config_after() ->
     [
         ("interpret", True, "[1.0, 2.0, 3.0, 4.0]"),
         ("", True, "PallasGuardWarning"),
-        ("strict", False, "Why the target is the CPU: JAX_PLATFORMS='cpu'"),
+        ("strict", False, "JAX_PLATFORMS='cpu'"),
         ("off", False, "Only interpret mode is supported on CPU backend."),
     ],
 )

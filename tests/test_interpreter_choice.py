@@ -19,7 +19,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 import pallas_guard
-from pallas_guard import _interpreters, _settings
+from pallas_guard import _engine, _internals, _interpreters, _settings
 
 AUTO = _settings.Setting(pallas_guard.Interpreter.AUTO, "default")
 
@@ -159,7 +159,7 @@ def test_generic_and_triton_kernels_get_the_plain_interpreter_alone() -> None:
     for kwargs in ({}, {"compiler_params": _triton_params()}):
         chosen = _interpreters.candidates(AUTO, _interpreters.kernel_facts("pallas_call", dma_kernel, kwargs))
         assert chosen.names == ("plain",) and not chosen.verify
-        assert _interpreters.params("plain", chosen) is None  # the lowering net substitutes interpret=True
+        assert _engine.interpret_value("plain", chosen) is None  # the lowering net substitutes interpret=True
 
 
 def test_mosaic_tpu_kernels_try_plain_first_and_verify() -> None:
@@ -196,8 +196,8 @@ def test_cross_device_kernels_get_tpu_interpret_mode_with_eager_dmas() -> None:
     facts = _interpreters.kernel_facts("pallas_call", remote_kernel, {})
     chosen = _interpreters.candidates(AUTO, facts)
     assert chosen.names == ("tpu",) and not chosen.verify
-    value = _interpreters.params("tpu", chosen)
-    assert isinstance(value, _interpreters.tpu_params_class())  # type: ignore[arg-type]
+    value = _engine.interpret_value("tpu", chosen)
+    assert isinstance(value, _internals.tpu_params_class())  # type: ignore[arg-type]
     assert value.dma_execution_mode == "eager"
     assert "cross-device" in chosen.reason
 
@@ -206,9 +206,9 @@ def test_mosaic_gpu_kernels_try_the_mosaic_gpu_interpreter_first() -> None:
     facts = _interpreters.kernel_facts("plgpu.kernel", copy_kernel, {})
     chosen = _interpreters.candidates(AUTO, facts)
     assert chosen.names == ("gpu",) and not chosen.verify
-    gpu_class = _interpreters.gpu_params_class()
+    gpu_class = _internals.gpu_params_class()
     if gpu_class is not None:  # jax < 0.9.0 has none
-        assert isinstance(_interpreters.params("gpu", chosen), gpu_class)
+        assert isinstance(_engine.interpret_value("gpu", chosen), gpu_class)
     facts = facts._replace(entry_point="pallas_call")  # a pallas_call with Mosaic-GPU compiler_params
     assert _interpreters.candidates(AUTO, facts).names == ("gpu", "plain", "tpu")
 
@@ -224,7 +224,7 @@ def test_forced_interpreter_wins_over_facts(forced: str) -> None:
 def test_race_detection_means_tpu_interpret_mode_with_the_detector_on() -> None:
     chosen = _interpreters.candidates(AUTO, _interpreters.GENERIC, checks=frozenset({"races"}))
     assert chosen.names == ("tpu",) and chosen.detect_races
-    assert _interpreters.params("tpu", chosen).detect_races is True
+    assert _engine.interpret_value("tpu", chosen).detect_races is True
     # Unchecked, it would run in the plain interpreter: the warning says what the check costs.
     assert "much slower than the plain interpreter it runs in unchecked" in (chosen.checks_note or "")
     # A Triton kernel cannot run in TPU interpret mode: race detection does not apply to it.
@@ -265,7 +265,8 @@ def test_auto_runs_a_dma_kernel_with_the_plain_interpreter(guard: Callable[..., 
     x = jnp.arange(8 * 128, dtype=jnp.float32).reshape(8, 128)
     np.testing.assert_array_equal(_dma_call(dma_kernel, x), x)
     assert _interpreted("dma_kernel") == ["plain"]
-    assert [d.layer for d in pallas_guard.decisions()] == ["lowering"]
+    # Eager: verified and run in one lowering, recorded at the call with what was tried.
+    assert [(d.layer, d.tried) for d in pallas_guard.decisions()] == [("front door", ("plain: ok",))]
 
 
 @pytest.mark.parametrize("how", ["install", "scope"])

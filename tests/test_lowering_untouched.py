@@ -24,7 +24,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.interpreters import mlir
 
 import pallas_guard
-from pallas_guard import _internals, _lowering, _state, _target
+from pallas_guard import _install, _internals, _target
 
 X = jax.ShapeDtypeStruct((8, 128), jnp.float32)
 
@@ -66,27 +66,28 @@ KERNELS: dict[str, tuple[Callable[[jax.Array], jax.Array], tuple[str, ...], str]
 CASES = [(kind, platform) for kind, (_, platforms, _) in KERNELS.items() for platform in platforms]
 
 
-class _CountingState:
-    """Stands in for ``_state`` inside the lowering module: counts every call of the CPU rules."""
+class _CountingLedger:
+    """Stands in for the installation's ledger: counts every call of the CPU rules."""
 
-    def __init__(self) -> None:
+    def __init__(self, ledger: Any) -> None:
+        self.ledger = ledger
         self.calls = 0
 
     def verifying(self) -> bool:
         # The first thing every CPU rule asks. A front-door trial lowering for the CPU (a Mosaic-TPU
-        # kernel verified while configuration says CPU) passes straight through and is not counted.
-        verifying = _state.verifying()
+        # kernel verified while configuration says CPU) is not counted.
+        verifying = self.ledger.verifying()
         self.calls += not verifying
-        return verifying
+        return bool(verifying)
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(_state, name)
+        return getattr(self.ledger, name)
 
 
 @pytest.fixture
-def rule_calls(monkeypatch: pytest.MonkeyPatch) -> _CountingState:
-    counter = _CountingState()
-    monkeypatch.setattr(_lowering, "_state", counter)
+def rule_calls(monkeypatch: pytest.MonkeyPatch) -> _CountingLedger:
+    counter = _CountingLedger(_install.installation.ledger)
+    monkeypatch.setattr(_install.installation, "ledger", counter)
     return counter
 
 
@@ -127,7 +128,7 @@ def assert_untouched(
     f: Callable[[jax.Array], jax.Array],
     platform: str,
     custom_call: str,
-    counter: _CountingState,
+    counter: _CountingLedger,
     install: Callable[[], Callable[[], None]] = _install_guard,
 ) -> str:
     unguarded = _lower(f, platform)
@@ -161,7 +162,7 @@ def unknown_target(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize(("kind", "platform"), CASES, ids=[f"{k}-{p}" for k, p in CASES])
 def test_accelerator_lowering_is_byte_identical_and_the_guard_is_not_called(
-    kind: str, platform: str, rule_calls: _CountingState, unknown_target: None
+    kind: str, platform: str, rule_calls: _CountingLedger, unknown_target: None
 ) -> None:
     f, _, custom_call = KERNELS[kind]
     text = assert_untouched(f, platform, custom_call, rule_calls)
@@ -175,14 +176,16 @@ def test_accelerator_lowering_is_byte_identical_and_the_guard_is_not_called(
 
 
 @pytest.mark.parametrize("kind", ["triton", "mosaic_tpu"])
-def test_plain_kernels_stay_untouched_with_the_cpu_as_configured_target(kind: str, rule_calls: _CountingState) -> None:
+def test_plain_kernels_stay_untouched_with_the_cpu_as_configured_target(kind: str, rule_calls: _CountingLedger) -> None:
     """Kernels the guard runs with the plain interpreter are not touched at trace time at all."""
     jax.devices("cpu")  # the backend is up: the front door's target is the CPU
     f, platforms, custom_call = KERNELS[kind]
     assert_untouched(f, platforms[0], custom_call, rule_calls)
 
 
-def test_negative_control_a_rule_for_every_platform_is_caught(rule_calls: _CountingState, unknown_target: None) -> None:
+def test_negative_control_a_rule_for_every_platform_is_caught(
+    rule_calls: _CountingLedger, unknown_target: None
+) -> None:
     """If the guard registered its rule for every platform, the assertion above would fail."""
     f, (platform, *_), custom_call = KERNELS["mosaic_tpu"]
     registry = _internals.lowering_registry()
@@ -231,7 +234,7 @@ def export_checks() -> Iterator[list[Any]]:
 
 @pytest.mark.parametrize(("kind", "platform"), [("mosaic_tpu", "tpu"), ("triton", "cuda")])
 def test_multi_platform_export_keeps_the_real_kernel_and_runs_the_cpu_branch_interpreted(
-    kind: str, platform: str, export_checks: list[Any], rule_calls: _CountingState
+    kind: str, platform: str, export_checks: list[Any], rule_calls: _CountingLedger
 ) -> None:
     f, _, custom_call = KERNELS[kind]
     try:

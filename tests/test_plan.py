@@ -61,15 +61,16 @@ def test_policy_off_is_untouched_at_both_layers() -> None:
     assert plan(net(Policy.OFF)).action is Action.UNTOUCHED
 
 
-@pytest.mark.parametrize("layer", ["front door", "lowering"])
-def test_strict_refuses(layer: str) -> None:
-    situation = front(Policy.STRICT, "cpu") if layer == "front door" else net(Policy.STRICT)
-    result = plan(situation)
+def test_strict_refuses_where_the_kernel_lowers_for_the_cpu() -> None:
+    result = plan(net(Policy.STRICT))
     assert (result.action, result.record, result.fallback) == (Action.REFUSE, True, None)
 
 
-def test_strict_inside_an_export_defers_to_the_exports_platforms() -> None:
-    assert plan(front(Policy.STRICT, "cpu", inside_export=True)).action is Action.DEFER
+@pytest.mark.parametrize("candidates", [None, TPU_FIRST, VERIFIED])
+def test_strict_at_the_call_defers_to_lowering_whatever_the_kernel_needs(candidates: Candidates | None) -> None:
+    """A call traced for the CPU may still lower for an accelerator (a branch, an AOT lowering)."""
+    result = plan(front(Policy.STRICT, "cpu", candidates or PLAIN_ONLY))
+    assert (result.action, result.record) == (Action.DEFER, False)
 
 
 @pytest.mark.parametrize(("policy", "warn"), [(Policy.INTERPRET, False), (Policy.WARN, True)])
@@ -92,22 +93,11 @@ def test_other_interpreters_or_verification_happen_at_the_front_door(
     assert (result.action, result.warn, result.candidates) == (Action.INTERPRET, warn, candidates)
 
 
-def test_inside_an_export_the_front_door_leaves_everything_to_lowering() -> None:
-    assert plan(front(Policy.INTERPRET, "cpu", TPU_FIRST, inside_export=True)).action is Action.DEFER
-
-
+@pytest.mark.parametrize("candidates", [None, TPU_FIRST, VERIFIED])
 @pytest.mark.parametrize("policy", [Policy.INTERPRET, Policy.WARN, Policy.STRICT])
-def test_unknown_target_defers_to_lowering(policy: Policy) -> None:
-    result = plan(front(policy, None))
-    assert (result.action, result.replan) == (Action.DEFER, False)
-
-
-@pytest.mark.parametrize("candidates", [TPU_FIRST, VERIFIED])
-def test_unknown_target_and_a_kernel_that_needs_the_front_door_plans_again_when_called(
-    candidates: Candidates,
-) -> None:
-    assert plan(front(Policy.INTERPRET, None, candidates)).replan is True
-    assert plan(front(Policy.INTERPRET, None, candidates, inside_export=True)).replan is False
+def test_unknown_target_defers_to_lowering(policy: Policy, candidates: Candidates | None) -> None:
+    result = plan(front(policy, None, candidates or PLAIN_ONLY))
+    assert result.action is Action.DEFER
 
 
 def test_without_a_net_an_unknown_target_and_no_plugin_fall_back_to_strict() -> None:

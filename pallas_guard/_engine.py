@@ -1,0 +1,312 @@
+"""The interpreted-kernel engine: runs one call of a kernel in the interpreter chosen for it.
+
+The front door hands over a kernel, its plan (``Action.INTERPRET``: the candidate interpreters,
+best first) and the call's arguments. Where the candidates are ambiguous (``Candidates.verify``),
+each is lowered on trial for the CPU until one lowers; the choice is kept per kernel identity and
+argument shapes. The trial is the real work, not a rehearsal: the kernel runs through a ``jax.jit``
+of the chosen variant, whose trace and lowering the trial already made (an eager first call costs
+what a hand-written one does; under an outer trace the body is traced once). An eager call that
+fails at run time moves on to the next candidate.
+
+The plain interpreter is substituted by the lowering net, which knows the real target, except for
+an eager call, which runs now on the configured (CPU) target: there the engine records it itself
+and the net stays out (``Ledger.verification``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Hashable
+from typing import Any
+
+from . import _act, _diagnostics, _internals, _interpreters, _plan, _settings
+from ._enums import Policy
+from ._errors import PallasGuardError
+from ._kernel import Kernel
+from ._ledger import Ledger
+from ._target import Target
+
+_NEVER_RETRIED = (MemoryError, RecursionError)
+"""Failures of the machine, not of an interpreter: they propagate and pin nothing."""
+
+
+def interpret_value(name: str, candidates: _interpreters.Candidates) -> Any:
+    """The ``interpret=`` value that runs a kernel in interpreter ``name``; None for plain (the
+    lowering net substitutes ``True``), or when this jax lacks that interpreter."""
+    if name == "plain":
+        return None
+    cls = _internals.tpu_params_class() if name == "tpu" else _internals.gpu_params_class()
+    if cls is None:
+        _internals.note_missing(f"{name.upper()} interpret params class", f"the {name} interpreter is unavailable")
+        return None
+    overrides: dict[str, Any] = {}
+    if name == "tpu" and candidates.eager_dmas:
+        # With the default "on_wait" DMA execution, remote copies land late: the all-gather kernel
+        # returns NaN shards. Eager execution is what makes cross-device kernels correct.
+        overrides["dma_execution_mode"] = "eager"
+    if candidates.detect_races:
+        # "warn" (jax >= 0.12) lets the kernel finish so the guard can name it in its error.
+        overrides.update(detect_races=True, on_race="warn")
+    if "bounds" in candidates.checked:
+        overrides["out_of_bounds_reads"] = "raise"  # the default today; explicit, as it is asked for
+    # Only the fields this jax's class has (dma_execution_mode, on_race, ... vary by version).
+    fields = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set(overrides)
+    return cls(**{k: v for k, v in overrides.items() if k in fields})
+
+
+def _shape_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
+    import jax
+
+    leaves = jax.tree_util.tree_leaves((args, kwargs))
+    return tuple((getattr(x, "shape", None), str(getattr(x, "dtype", type(x).__name__))) for x in leaves)
+
+
+def _specs(tree: Any) -> Any:
+    """Abstract stand-ins for traced arguments, to lower the kernel alone on trial."""
+    import jax
+
+    def spec(x: Any) -> Any:
+        shape, dtype = getattr(x, "shape", None), getattr(x, "dtype", None)
+        if shape is None or dtype is None:
+            return x
+        weak = bool(getattr(getattr(x, "aval", None), "weak_type", False))
+        return jax.ShapeDtypeStruct(shape, dtype, weak_type=weak)  # type: ignore[no-untyped-call]
+
+    return jax.tree_util.tree_map(spec, tree)
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else '(no message)'}"
+
+
+class Run:
+    """One call of an interpreted kernel, under the settings in force at the call."""
+
+    def __init__(
+        self,
+        kernel: Kernel,
+        plan: _plan.Plan,
+        *,
+        target: Target,
+        policy: _settings.Setting[Policy],
+        call_site: _diagnostics.CallSite,
+        ledger: Ledger,
+    ) -> None:
+        assert plan.candidates is not None
+        self.kernel, self.plan, self.target, self.policy = kernel, plan, target, policy
+        self.candidates = plan.candidates
+        self.call_site, self.ledger = call_site, ledger
+        self.eager = not _internals.tracing()
+
+    # --- the kernel in each interpreter ------------------------------------------------------------
+
+    def _variant(self, name: str) -> tuple[Any, Any]:
+        """(the kernel built for interpreter ``name``, its ``interpret=`` value); one object per
+        kernel, interpreter and settings, so the net recognises what the front door injected."""
+        c = self.candidates
+        key = (name, c.detect_races, c.checked, c.eager_dmas)
+        with self.kernel.lock:
+            known = self.kernel.variants.get(key)
+        if known is None:
+            value = interpret_value(name, c)
+            if value is None:  # plain: the kernel as built, the net substitutes the interpreter
+                built = self.kernel.build(self.kernel.kwargs.get("interpret", False))
+            else:
+                self.ledger.mark_injected(value)
+                built = self.kernel.build(value)
+            known = (built, value)
+            with self.kernel.lock:
+                known = self.kernel.variants.setdefault(key, known)
+        built, value = known
+        return built, value
+
+    def _jitted(self, name: str) -> Callable[..., Any]:
+        """The variant for ``name`` under ``jax.jit``: its trial lowering is kept for the real call."""
+        import jax
+
+        key = ("jit", name, self.candidates.detect_races, self.candidates.checked, self.candidates.eager_dmas)
+        with self.kernel.lock:
+            known = self.kernel.variants.get(key)
+        if known is None:
+            known = jax.jit(self._variant(name)[0])
+            with self.kernel.lock:
+                known = self.kernel.variants.setdefault(key, known)
+        return known  # type: ignore[no-any-return]
+
+    def _quiet_net(self, name: str) -> contextlib.AbstractContextManager[None]:
+        """An eager plain run is recorded here; the net substitutes the interpreter silently."""
+        return self.ledger.verification() if self.eager and name == "plain" else contextlib.nullcontext()
+
+    # --- the call ----------------------------------------------------------------------------------
+
+    def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        __tracebackhide__ = True
+        if not self.candidates.verify:
+            return self._run(self.candidates.names[0], args, kwargs, tried=())
+        key = self._settled_key(args, kwargs)
+        known = self.ledger.settled(key) if key[0] is not None else self.kernel.settled.get(key)
+        if known is not None:
+            return self._run(known[0], args, kwargs, tried=known[1])
+        return self._verify_and_run(args, kwargs, key)
+
+    def _settled_key(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Hashable, ...]:
+        c = self.candidates
+        return (self.kernel.identity, c.names, c.checked, _shape_key(args, kwargs))
+
+    def _settle(self, key: tuple[Hashable, ...], choice: tuple[str, tuple[str, ...]]) -> None:
+        if key[0] is not None:
+            self.ledger.settle(key, choice)
+        else:
+            with self.kernel.lock:
+                self.kernel.settled[key] = choice
+
+    def _run(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], *, tried: tuple[str, ...]) -> Any:
+        """Run in ``name``, chosen without a trial (the only candidate, or settled before)."""
+        __tracebackhide__ = True
+        self._commit(name, tried)
+        with self._quiet_net(name):
+            if self.kernel.entry.runs_when_applied:  # core_map: building it runs the body
+                out = self._explained(lambda: self._variant(name)[0], name, (), {})
+            else:
+                out = self._explained(self._variant(name)[0], name, args, kwargs)
+        self._check(out, name)
+        return out
+
+    def _verify_and_run(self, args: tuple[Any, ...], kwargs: dict[str, Any], key: tuple[Hashable, ...]) -> Any:
+        __tracebackhide__ = True
+        failures: list[tuple[str, BaseException, str]] = []  # (interpreter, error, when)
+        names = self.candidates.names
+        for index, name in enumerate(names):
+            jitted = self._jitted(name)
+            try:
+                with self.ledger.verification():
+                    jitted.lower(*args, **kwargs) if self.eager else jitted.lower(*_specs(args), **_specs(kwargs))  # type: ignore[attr-defined]
+            except _NEVER_RETRIED:
+                raise
+            except Exception as error:
+                failures.append((name, error, "failed"))
+                continue
+            tried = (*(f"{n}: {when} ({_first_line(e)})" for n, e, when in failures), f"{name}: ok")
+            if not self.eager:
+                self._settle(key, (name, tried))
+                self._commit(name, tried)
+                # Plain stays the kernel as built: an AOT lowering of this trace for an accelerator
+                # must be what JAX alone gives. Another interpreter reuses the trial's trace.
+                out = self._variant(name)[0](*args, **kwargs) if name == "plain" else jitted(*args, **kwargs)
+                self._check(out, name)
+                return out
+            try:
+                with self._quiet_net(name):
+                    out = jitted(*args, **kwargs)
+                self._check(out, name)
+            except _NEVER_RETRIED:
+                raise
+            except Exception as error:
+                explained = self._explain(error, name)
+                finding = isinstance(error, PallasGuardError) or self._is_finding(error)
+                if finding or index + 1 == len(names):
+                    if explained is not None:
+                        raise explained from error
+                    self._note_failure(error, name, failures)
+                    raise
+                # It lowered but failed at run time; its clean-up may not have run.
+                if name != "plain":
+                    _internals.reset_interpreter(name)
+                failures.append((name, error, "failed at run time"))
+                continue
+            self._settle(key, (name, tried))
+            self._commit(name, tried)
+            return out
+        if len({_first_line(error) for _, error, _ in failures}) == 1:
+            # Every interpreter failed the same way: the kernel's own error (a shape mismatch, a bad
+            # index). The real call runs with the first candidate and raises it unchanged.
+            tried = tuple(f"{n}: {when} ({_first_line(e)})" for n, e, when in failures)
+            self._settle(key, (names[0], tried))
+            return self._run(names[0], args, kwargs, tried=tried)
+        raise _diagnostics.no_interpreter(
+            [(name, error) for name, error, _ in failures],
+            kernel=self.kernel.info,
+            call_site=self.call_site,
+            target=self.target,
+            why=self.candidates.reason,
+        ) from failures[0][1]
+
+    # --- carrying the choice out -------------------------------------------------------------------
+
+    def _commit(self, name: str, tried: tuple[str, ...]) -> None:
+        """Record (and warn) for interpreter ``name``; a plain run under a trace is the net's to
+        record, at lowering, where the target is certain: the ledger tells it what was tried."""
+        notes = (self.candidates.checks_note,) if self.candidates.checks_note else ()
+        if name != "plain" and _internals.export_platforms() is not None:
+            raise _diagnostics.unexportable(
+                kernel=self.kernel.info,
+                call_site=self.call_site,
+                interpreter=name,
+                why=self.candidates.reason,
+                tried=tried,
+            )
+        if name == "plain" and not self.eager:
+            self.ledger.leave_to_net(self.kernel.info, tried=tried, notes=notes)
+            return
+        _act.carry_out(
+            self.plan,
+            layer="front door",
+            kernel=self.kernel.info,
+            call_site=self.call_site,
+            target=self.target,
+            policy=self.policy,
+            interpreter=name,
+            tried=tried,
+            notes=notes,
+        )
+
+    def _explained(self, function: Callable[..., Any], name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Call ``function``; a failure the guard can attribute to the CPU becomes PallasGuardError."""
+        __tracebackhide__ = True
+        try:
+            return function(*args, **kwargs)
+        except PallasGuardError:
+            raise
+        except Exception as error:
+            explained = self._explain(error, name)
+            if explained is None:
+                raise
+            raise explained from error
+
+    def _is_finding(self, error: BaseException) -> bool:
+        """A check's finding: the kernel's fault, which no other interpreter must hide."""
+        return "bounds" in self.candidates.checked and "Out-of-bounds read" in str(error)
+
+    def _explain(self, error: BaseException, name: str) -> PallasGuardError | None:
+        if isinstance(error, PallasGuardError):
+            return None
+        if self._is_finding(error):
+            return _diagnostics.bounds_error(error, kernel=self.kernel.info, call_site=self.call_site)
+        return _diagnostics.interpreter_failure(
+            error,
+            kernel=self.kernel.info,
+            call_site=self.call_site,
+            target=self.target,
+            policy=self.policy,
+            interpreter=name,
+            family=self.kernel.facts.family,
+            why=self.candidates.reason,
+        )
+
+    def _note_failure(self, error: BaseException, name: str, failures: list[tuple[str, BaseException, str]]) -> None:
+        """The last candidate failed at run time: the error keeps its type and says what was tried."""
+        _diagnostics.add_note(
+            error,
+            _diagnostics.runtime_failure_note(
+                kernel=self.kernel.info,
+                interpreter=name,
+                why=self.candidates.reason,
+                tried=[(n, _first_line(e), when) for n, e, when in failures],
+            ),
+        )
+
+    def _check(self, out: Any, name: str) -> None:
+        if self.candidates.detect_races:
+            _diagnostics.check_races(out, kernel=self.kernel.info, call_site=self.call_site, interpreter=name)
