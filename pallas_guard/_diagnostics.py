@@ -306,6 +306,18 @@ def unexportable(
     )
 
 
+def plain_failed_at_lowering(kernel: KernelInfo, *, family: str | None) -> str:
+    """The lowering net substituted the plain interpreter and it cannot lower this kernel."""
+    other = "gpu" if family == "mosaic_gpu" else "tpu"
+    return (
+        f"pallas_guard: the plain interpreter, which the lowering net substituted for {_describe(kernel, NOWHERE)}, "
+        f"cannot lower it; {_interpreters.describe_interpreter(other)} may run it. Another interpreter can only be "
+        "chosen where the kernel is called with the CPU as target (here it was not: a kernel built before the "
+        "guard was installed, a trace whose target was unknown, an export for several platforms). To force it: "
+        f"{INTERPRETER_ENV}={other} (or pallas_guard.policy(interpreter={other!r}) around the call)."
+    )
+
+
 def add_note(error: BaseException, note: str) -> None:
     """Attach ``note`` to ``error`` (PEP 678), keeping its type: the user's handlers still match."""
     if note not in getattr(error, "__notes__", ()):

@@ -62,20 +62,6 @@ def _shape_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
     return tuple((getattr(x, "shape", None), str(getattr(x, "dtype", type(x).__name__))) for x in leaves)
 
 
-def _specs(tree: Any) -> Any:
-    """Abstract stand-ins for traced arguments, to lower the kernel alone on trial."""
-    import jax
-
-    def spec(x: Any) -> Any:
-        shape, dtype = getattr(x, "shape", None), getattr(x, "dtype", None)
-        if shape is None or dtype is None:
-            return x
-        weak = bool(getattr(getattr(x, "aval", None), "weak_type", False))
-        return jax.ShapeDtypeStruct(shape, dtype, weak_type=weak)  # type: ignore[no-untyped-call]
-
-    return jax.tree_util.tree_map(spec, tree)
-
-
 def _first_line(error: BaseException) -> str:
     lines = str(error).strip().splitlines()
     return f"{type(error).__name__}: {lines[0] if lines else '(no message)'}"
@@ -182,7 +168,9 @@ class Run:
             jitted = self._jitted(name)
             try:
                 with self.ledger.verification():
-                    jitted.lower(*args, **kwargs) if self.eager else jitted.lower(*_specs(args), **_specs(kwargs))  # type: ignore[attr-defined]
+                    # Tracers of an outer trace lower as their avals (memory spaces, weak types
+                    # kept): the call below then reuses this trial's trace of the body.
+                    jitted.lower(*args, **kwargs)  # type: ignore[attr-defined]
             except _NEVER_RETRIED:
                 raise
             except Exception as error:

@@ -13,7 +13,7 @@ import os
 import sys
 import threading
 import types
-from collections.abc import Callable, Iterable, MutableMapping
+from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from typing import Any
 
 from ._errors import PallasGuardWarning
@@ -75,6 +75,11 @@ def _release(version: str) -> tuple[int, ...]:
             break
         parts.append(int(digits))
     return tuple(parts)
+
+
+def jax_release() -> tuple[int, ...]:
+    """The running jax's release as numbers, ``(0, 10, 2)``; empty when unknown."""
+    return _release(jax_version())
 
 
 def check_tested_range() -> None:
@@ -302,6 +307,34 @@ def lowering_frames(ctx: Any) -> list[tuple[str, int]]:
     find = getattr(source_info, "user_frame", None)
     frame = find(traceback) if find is not None else None
     return [] if frame is None else [(frame.file_name, frame.start_line)]
+
+
+def is_state_ref(value: object) -> bool:
+    """Whether ``value`` is a JAX state ref (a ``Ref``, or a tracer of one inside ``run_state``)."""
+    aval = getattr(value, "aval", None)
+    return type(aval).__name__ == "AbstractRef" and type(aval).__module__.startswith("jax._src.state")
+
+
+def equation_family(params: Mapping[str, Any]) -> str | None:
+    """The backend a kernel equation was written for, from its ``compiler_params`` (an object from
+    jax 0.9.1, a Mapping keyed by backend before)."""
+    compiler_params = params.get("compiler_params")
+    if isinstance(compiler_params, Mapping):
+        return next((BACKEND_NAMES.get(str(key)) for key in compiler_params), None)
+    return backend_family(compiler_params) if compiler_params is not None else None
+
+
+def lowering_platforms(ctx: Any) -> tuple[str, ...]:
+    """The platforms a lowering rule context lowers for (the CPU branch of an export: ``("cpu",)``)."""
+    platforms = getattr(getattr(ctx, "module_context", None), "platforms", None)
+    return tuple(platforms) if platforms else ("cpu",)
+
+
+def equation_grid(params: Mapping[str, Any]) -> tuple[Any, ...] | None:
+    """The grid of a ``pallas_call_p`` equation (its ``grid_mapping``); None for ``mpmd_map_p``."""
+    grid_mapping = params.get("grid_mapping")
+    grid = getattr(grid_mapping, "grid", None)
+    return tuple(grid) if grid is not None else None
 
 
 # --- kernel facts: which backend a kernel was written for, and interpreter state ----------------

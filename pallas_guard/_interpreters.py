@@ -37,6 +37,8 @@ class KernelFacts(NamedTuple):
     program_id_in_control_flow: str | None = None
     """Where the body reads ``program_id`` below its top level (``pl.when``, ``fori_loop``), or None."""
     entry_point: str = "pallas_call"
+    captured_refs: str | None = None
+    """The refs the body captures (partial arguments, closure: ``pl.run_state``), or None."""
 
 
 GENERIC = KernelFacts(None, "no backend-specific compiler_params, mesh, grid spec or scratch types", None)
@@ -160,11 +162,28 @@ def _program_id_in_control_flow(body: object) -> str | None:
     """A nested function of the body (a ``pl.when``/``cond``/loop body), or a helper of its module,
     that reads the grid position: where the plain interpreter may not substitute it."""
     codes = _code_objects(body, helpers=True)
-    next(codes, None)  # the body's own top level: the plain interpreter handles it there
+    if not _under_jit(body):
+        next(codes, None)  # the body's own top level: the plain interpreter handles it there
     for code in codes:
         if _GRID_NAMES.intersection(code.co_names):
             return f"{code.co_name} reads {', '.join(sorted(_GRID_NAMES.intersection(code.co_names)))}"
     return None
+
+
+def _under_jit(body: object) -> bool:
+    """Whether the body, or a wrapper on the way to its function, is a ``jax.jit``: its whole code
+    then runs inside a nested jaxpr of the traced kernel, not at the kernel's top level."""
+    function = body
+    for _ in range(16):
+        if callable(getattr(function, "lower", None)) and callable(getattr(function, "trace", None)):
+            return True
+        if isinstance(function, functools.partial):
+            function = function.func
+        elif getattr(function, "__wrapped__", None) is not None:
+            function = function.__wrapped__  # type: ignore[attr-defined]
+        else:
+            return False
+    return False
 
 
 def kernel_facts(entry_point: str, body: object, kwargs: Mapping[str, Any], mesh: object = None) -> KernelFacts:
@@ -181,6 +200,9 @@ def kernel_facts(entry_point: str, body: object, kwargs: Mapping[str, Any], mesh
     mesh = mesh if mesh is not None else kwargs.get("mesh")
     sources: list[tuple[str, object]] = [("compiler_params", p) for p in params_objects if p is not None]
     sources += [("mesh", mesh), ("grid_spec", grid_spec), ("backend", kwargs.get("backend"))]
+    # A block spec's memory space (pltpu.HBM, pltpu.SMEM, ...) says which hardware it was written for.
+    specs = [kwargs.get("in_specs"), kwargs.get("out_specs")]
+    sources += [("block spec memory space", getattr(leaf, "memory_space", None)) for leaf in _leaves(specs)]
     # A scratch shape's own type may be generic (pallas core); its memory space or dtype is not.
     sources += [
         ("scratch shapes", part)
@@ -214,7 +236,68 @@ def kernel_facts(entry_point: str, body: object, kwargs: Mapping[str, Any], mesh
         core_mesh,
         _program_id_in_control_flow(body) if family in (None, "triton", "mosaic_gpu") else None,
         entry_point,
+        _captured_refs(body),
     )
+
+
+def _captured_refs(body: object) -> str | None:
+    """The refs a body captures through partial arguments or its closure (``pl.run_state``)."""
+    captured: list[object] = []
+    function = body
+    for _ in range(16):
+        if isinstance(function, functools.partial):
+            captured += [*function.args, *function.keywords.values()]
+            function = function.func
+        elif getattr(function, "__wrapped__", None) is not None:
+            function = function.__wrapped__  # type: ignore[attr-defined]
+        else:
+            break
+    captured += [cell.cell_contents for cell in getattr(function, "__closure__", None) or () if _filled(cell)]
+    refs = sum(1 for value in captured if _internals.is_state_ref(value))
+    return f"its body captures {refs} ref{'s' if refs > 1 else ''} (pl.run_state)" if refs else None
+
+
+def _filled(cell: types.CellType) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018 - an empty cell raises
+    except ValueError:
+        return False
+    return True
+
+
+class PlainGap(NamedTuple):
+    """Something the plain interpreter gets wrong (it runs, and the answer is wrong)."""
+
+    fact: str
+    """The ``KernelFacts`` field that detects such a kernel."""
+    wrong: str
+    """What the plain interpreter gets wrong."""
+    below: tuple[int, ...] | None
+    """The jax releases it applies to: below this one (None: every supported release)."""
+    seen: str
+    """Where it was seen: the kernel in the tests that shows it, and the jax versions run."""
+
+
+PLAIN_GETS_WRONG = (
+    PlainGap(
+        "captured_refs",
+        "drops the writes a kernel makes to refs it captures",
+        (0, 12),
+        "tests/test_right_answers.py: a DMA copy into a ref captured through pl.run_state returns zeros in "
+        "jax 0.7.2 and 0.10.2 (1023 of 1024 elements wrong); right in 0.12.0.1",
+    ),
+)
+"""What the plain interpreter gets wrong: a kernel with such a fact goes to TPU interpret mode."""
+
+
+def plain_gets_wrong(facts: KernelFacts) -> str | None:
+    """Why the plain interpreter would return a wrong answer for this kernel on this jax, or None."""
+    release = _internals.jax_release()
+    for gap in PLAIN_GETS_WRONG:
+        detected = getattr(facts, gap.fact)
+        if detected and (gap.below is None or not release or release < gap.below):
+            return f"{detected}, and the plain interpreter {gap.wrong} in jax {_internals.jax_version()}"
+    return None
 
 
 # --- the choice ---------------------------------------------------------------------------------
@@ -295,6 +378,9 @@ def _by_facts(setting: Setting[Interpreter], facts: KernelFacts) -> Candidates: 
         return Candidates(
             ("tpu",), f"needs cross-device TPU semantics ({facts.cross_device}): TPU interpret mode", eager_dmas=True
         )
+    wrong = plain_gets_wrong(facts)
+    if wrong is not None and facts.family in (None, "mosaic_tpu"):
+        return Candidates(("tpu",), f"{wrong}: TPU interpret mode, correct before fast")
     # pl.core_map runs its body when applied: there is no kernel callable to verify, and from jax
     # 0.11.2 (deprecated, served by a module __getattr__) only the lowering net, hence plain, sees it.
     if facts.core_mesh and facts.entry_point != "pl.core_map":

@@ -17,11 +17,6 @@ from ._ledger import Guarding
 LoweringRule = Callable[..., Any]
 
 
-def _lowering_platforms(ctx: Any) -> tuple[str, ...]:
-    platforms = getattr(getattr(ctx, "module_context", None), "platforms", None)
-    return tuple(platforms) if platforms else ("cpu",)
-
-
 def make_cpu_rule(entry_point: str, delegate: LoweringRule, installation: Guarding) -> LoweringRule:
     """A CPU rule that plans for the kernel, carries the plan out, then hands over to JAX's own rule."""
 
@@ -36,14 +31,13 @@ def make_cpu_rule(entry_point: str, delegate: LoweringRule, installation: Guardi
             return delegate(ctx, *in_nodes, **{**params, "interpret": interpret or True})
         policy = _settings.current_policy()
         budget = _settings.max_steps()
-        grid_mapping = params.get("grid_mapping")
         situation = _plan.Situation(
             "lowering",
             policy.value,
             "cpu",
             interpret=interpret,
             injected=ledger.is_injected(interpret),
-            grid=tuple(grid_mapping.grid) if grid_mapping is not None else None,
+            grid=_internals.equation_grid(params),
             max_steps=budget.value,
         )
         plan = _plan.plan(situation)
@@ -63,7 +57,7 @@ def make_cpu_rule(entry_point: str, delegate: LoweringRule, installation: Guardi
                 layer="lowering",
                 kernel=kernel,
                 call_site=call_site,
-                target=_target.lowering_target(_lowering_platforms(ctx)),
+                target=_target.lowering_target(_internals.lowering_platforms(ctx)),
                 policy=policy,
                 interpreter=_internals.interpreter_of(interpret) if untouched else "plain",
                 tried=tried,
@@ -72,7 +66,13 @@ def make_cpu_rule(entry_point: str, delegate: LoweringRule, installation: Guardi
                 budget=budget,
             )
         if plan.action is _plan.Action.INTERPRET:
-            return delegate(ctx, *in_nodes, **{**params, "interpret": True})
+            try:
+                return delegate(ctx, *in_nodes, **{**params, "interpret": True})
+            except Exception as error:
+                # Only the front door, at the call, can choose another interpreter: say which.
+                family = _internals.equation_family(params)
+                _diagnostics.add_note(error, _diagnostics.plain_failed_at_lowering(kernel, family=family))
+                raise
         return delegate(ctx, *in_nodes, **params)
 
     pallas_guard_cpu_rule.__qualname__ = f"pallas_guard_cpu_rule[{entry_point}]"
