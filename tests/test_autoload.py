@@ -118,7 +118,7 @@ def test_unset_or_blank_variable_imports_nothing(venvs: dict[str, Path], value: 
 
 
 def test_startup_with_the_policy_set_imports_only_the_startup_module(venvs: dict[str, Path]) -> None:
-    """Issue 10, item 5: start-up with the variable set costs one tiny module, not the package."""
+    """Start-up with the variable set costs one tiny module, not the package."""
     modules = "import sys; print(' '.join(sorted(sys.modules)))"
     guarded = run(venvs["autoload"], modules, {POLICY_ENV: "interpret"})
     plain = run(venvs["plain"], modules, {})
@@ -225,7 +225,7 @@ WARN_SCRIPT = KERNEL + "print(add_one(jnp.arange(4.0)).tolist())\n"
 def test_python_warning_options_naming_the_category_are_honoured(
     venvs: dict[str, Path], venv: str, how: str, explicit_import: bool
 ) -> None:
-    """Issue 10, item 3: Python drops the option at start-up (site-packages is not importable
+    """Python drops the option at start-up (site-packages is not importable
     yet) and says so; pallas_guard applies it when it is imported."""
     option = "error::pallas_guard.PallasGuardWarning"
     env = {POLICY_ENV: "warn"}
@@ -290,7 +290,7 @@ def test_sitecustomize_calling_activate_is_the_autoload(venvs: dict[str, Path], 
 def test_sitecustomize_calling_activate_with_a_bad_value_behaves_as_the_autoload(
     venvs: dict[str, Path], tmp_path: Path
 ) -> None:
-    """Issue 10, item 4: one line at start-up, the program runs, an explicit import raises."""
+    """One line at start-up, the program runs, an explicit import raises."""
     (tmp_path / "sitecustomize.py").write_text(ACTIVATE_SITECUSTOMIZE)
     code = "print('running', flush=True)\nimport pallas_guard"
     result = run(venvs["plain"], code, {POLICY_ENV: "loud"}, pythonpath=tmp_path)
@@ -315,7 +315,7 @@ def test_sitecustomize_importing_pallas_guard_installs_it(venvs: dict[str, Path]
 def test_sitecustomize_importing_pallas_guard_with_a_bad_value_keeps_running_and_the_api_raises(
     venvs: dict[str, Path], tmp_path: Path
 ) -> None:
-    """Issue 10, item 4: no silently guard-less module that says ``warn``: the API names the variable."""
+    """No silently guard-less module that says ``warn``: the API names the variable."""
     (tmp_path / "sitecustomize.py").write_text(IMPORT_SITECUSTOMIZE)
     code = """
     import pallas_guard
@@ -365,7 +365,7 @@ def test_startup_detection_is_false_in_ordinary_code(monkeypatch: pytest.MonkeyP
 
 
 def test_the_wheel_ships_the_start_file_beside_the_pth(built_wheel: Path) -> None:
-    """Issue 10, item 6: Python >= 3.15 runs the .start entry point (and ignores the .pth import line)."""
+    """Python >= 3.15 runs the .start entry point (and ignores the .pth import line)."""
     with zipfile.ZipFile(built_wheel) as archive:
         names = set(archive.namelist())
         assert archive.read("pallas_guard_autoload.start").decode() == START_FILE.read_text()
@@ -404,7 +404,7 @@ print(len(pallas_guard._install.status().patched) > 0, [(d.action, d.policy.valu
 def test_the_start_entry_point_called_as_python_315_calls_it_activates_the_guard(
     built_wheel: Path, tmp_path: Path
 ) -> None:
-    """Issue 10, item 6: a fresh interpreter without site (-S), the wheel unpacked, its .start
+    """A fresh interpreter without site (-S), the wheel unpacked, its .start
     processed as PEP 829 says; only the entry point can have activated the guard."""
     python = make_venv(tmp_path / "venv", autoload=True, wheel=built_wheel)
     site_packages = venv_site_packages(python)

@@ -81,7 +81,7 @@ def test_run_environment_always_sets_the_policy_variable() -> None:
     ("variable", "kind"), [(POLICY_ENV, "policy"), (INTERPRETER_ENV, "interpreter"), (DETECT_RACES_ENV, "boolean")]
 )
 def test_run_refuses_a_bad_variable_before_running_anything(variable: str, kind: str) -> None:
-    """Issue 10, item 4: every PALLAS_GUARD_* variable is checked, PALLAS_GUARD_DETECT_RACES too."""
+    """Every PALLAS_GUARD_* variable is checked, PALLAS_GUARD_DETECT_RACES too."""
     result = cli("run", "--policy", "warn", "--", sys.executable, "-c", "print('ran')", env={variable: "maybe"})
     assert result.returncode == _cli.EXIT_USAGE == 2
     assert result.stdout == ""
@@ -116,7 +116,7 @@ def test_doctor_json_names_an_invalid_variable_and_exits_1() -> None:
 
 
 def test_doctor_prints_a_look_alike_value_escaped() -> None:
-    """Issue 10, item 7: a Cyrillic omega in 'warn' must not look like the accepted 'warn'."""
+    """A Cyrillic omega in 'warn' must not look like the accepted 'warn'."""
     result = cli("doctor", env={POLICY_ENV: "\u0461arn"})
     assert result.returncode == _cli.EXIT_PROBLEMS
     assert "PALLAS_GUARD_POLICY='\\u0461arn' is not a valid pallas_guard policy" in result.stdout
@@ -127,7 +127,7 @@ def test_doctor_prints_a_look_alike_value_escaped() -> None:
     any(p.startswith("jax-cuda") for p in _target.installed_accelerator_plugins()), reason="a CUDA plugin is installed"
 )
 def test_doctor_with_an_unavailable_configured_accelerator_tells_the_truth() -> None:
-    """Issue 10, item 7: JAX_PLATFORMS=cuda without CUDA: the problem names the error, the verdict
+    """JAX_PLATFORMS=cuda without CUDA: the problem names the error, the verdict
     says kernels fail (not that they "will compile for cuda")."""
     result = cli("doctor", env={"JAX_PLATFORMS": "cuda"})
     assert result.returncode == _cli.EXIT_PROBLEMS, result.stderr
@@ -140,7 +140,7 @@ def test_doctor_with_an_unavailable_configured_accelerator_tells_the_truth() -> 
 
 
 def test_doctor_ignores_a_dist_info_folder_in_the_working_directory(tmp_path: Path) -> None:
-    """Issue 10, item 7: plugins are looked up where the interpreter loads them from."""
+    """Plugins are looked up where the interpreter loads them from."""
     (tmp_path / "libtpu-9.9.9.dist-info").mkdir()
     result = cli("doctor", "--json", cwd=tmp_path)
     report = json.loads(result.stdout)

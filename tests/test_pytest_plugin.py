@@ -71,7 +71,6 @@ def tester(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest
         monkeypatch.delenv(name)
     for name, value in environment.items():
         monkeypatch.setenv(name, value)
-    monkeypatch.delenv("PALLAS_INTERPRET", raising=False)  # a policy too (issue 11); tests opt in
     return pytester
 
 
@@ -158,7 +157,7 @@ def test_bad_values_are_usage_errors(tester: pytest.Pytester, ini: str, args: tu
 def test_a_bad_variable_is_a_usage_error_when_the_plugin_acts(
     tester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, env: dict[str, str], args: tuple[str, ...]
 ) -> None:
-    """Issue 10, item 2: exit 4 and one line naming the variable and the value, not a crash."""
+    """Exit 4 and one line naming the variable and the value, not a crash."""
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     tester.makepyfile(test_nothing="def test_nothing():\n    pass\n")
@@ -173,7 +172,7 @@ def test_a_bad_variable_is_a_usage_error_when_the_plugin_acts(
 def test_a_bad_variable_does_not_touch_a_run_the_plugin_has_no_business_in(
     tester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, variable: str
 ) -> None:
-    """Issue 10, item 2: no policy anywhere, so the plugin does not act; the project's tests run."""
+    """No policy anywhere, so the plugin does not act; the project's tests run."""
     monkeypatch.setenv(variable, "bogus")
     tester.makepyfile(test_nothing="def test_nothing():\n    pass\n")
     result = runpytest(tester)
@@ -255,7 +254,7 @@ def test_refused():
     assert "1 Pallas kernel(s): 0 interpreted, 1 refused, 0 left alone; in 1 test(s)" in result.stdout
 
 
-# --- issue 11: step budget, durations, interpret-aware markers -------------------------------------
+# --- step budget, durations, interpret-aware markers -------------------------------------------------
 
 GRID_KERNELS = """
 import time
@@ -472,7 +471,7 @@ def test_second():  # the same call site in add_one; a new shape, so a new lower
 def test_filterwarnings_error_for_the_category_applies_with_the_policy_from_the_plugin(
     tester: pytest.Pytester, policy_from: str
 ) -> None:
-    """Issue 10, item 3: one PallasGuardWarning class per process, so the ini filter matches."""
+    """One PallasGuardWarning class per process, so the ini filter matches."""
     ini = "[pytest]\nfilterwarnings =\n    error::pallas_guard.PallasGuardWarning\n"
     args: tuple[str, ...] = ("--pallas-guard-policy=warn",)
     if policy_from == "ini":
@@ -486,7 +485,7 @@ def test_filterwarnings_error_for_the_category_applies_with_the_policy_from_the_
 
 
 def test_under_error_every_test_through_one_call_site_fails(tester: pytest.Pytester) -> None:
-    """Issue 10, item 3: no once-per-call-site memory of our own; pytest resets the registry per test."""
+    """No once-per-call-site memory of our own; pytest resets the registry per test."""
     tester.makepyfile(test_warned=WARNING_TESTS)
     result = runpytest(tester, "--pallas-guard-policy=warn", "-W", "error::pallas_guard.PallasGuardWarning")
     result.assert_outcomes(failed=2)
@@ -522,7 +521,7 @@ def installed(built_wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
 def test_filterwarnings_error_suite_runs_with_the_autoload_active(
     installed: Path, tmp_path: Path, workers: tuple[str, ...]
 ) -> None:
-    """Issue 10, item 1: pytest marks every top-level module of our wheel for assertion rewriting;
+    """Pytest marks every top-level module of our wheel for assertion rewriting;
     the start-up module it finds already imported must not make it warn (an error here)."""
     (tmp_path / "pytest.ini").write_text("[pytest]\nfilterwarnings =\n    error\n")
     (tmp_path / "test_x.py").write_text(

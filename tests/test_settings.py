@@ -110,7 +110,7 @@ def test_each_setting_has_its_own_source(monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 def test_a_bare_install_keeps_values_given_through_the_api(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Issue 10, item 4: the variable applies until the API sets a value, then no more."""
+    """The variable applies until the API sets a value, then no more."""
     monkeypatch.setenv(POLICY_ENV, "warn")
     pallas_guard.set_policy("strict")
     pallas_guard.install()
@@ -134,7 +134,7 @@ print(_install.status().requested, _settings.current_policy().source)
 
 
 def test_set_policy_survives_a_bare_install_and_a_reload_in_a_fresh_process() -> None:
-    """Issue 10, item 4: neither resets a set_policy() to the environment's value."""
+    """Neither resets a set_policy() to the environment's value."""
     result = run_python(RELOAD, env={POLICY_ENV: "warn"})
     assert result.stdout.splitlines()[:2] == ["bare install(): strict", "reload: strict"], result.stderr
     assert result.returncode == 0, result.stderr
@@ -150,7 +150,7 @@ def test_a_bad_variable_makes_the_api_raise_naming_it(monkeypatch: pytest.Monkey
 
 
 def test_a_look_alike_value_is_printed_escaped() -> None:
-    """Issue 10, item 7: 'warn' with a Cyrillic omega for the w, beside the accepted 'warn', must look different."""
+    """'warn' with a Cyrillic omega for the w, beside the accepted 'warn', must look different."""
     result = run_python("import pallas_guard", env={POLICY_ENV: "\u0461arn"})
     last_line = result.stderr.strip().splitlines()[-1]
     assert last_line.startswith("pallas_guard.PallasGuardConfigError: PALLAS_GUARD_POLICY='\\u0461arn' is not")
