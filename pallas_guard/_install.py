@@ -252,16 +252,18 @@ def cli_startup() -> bool:
 def install_at_import() -> None:
     """What ``import pallas_guard`` does: a bare ``install()``.
 
-    Where raising would break more than the guard (a ``sitecustomize`` importing us, the
-    ``pallas-guard`` CLI, which reports bad values itself), a bad value prints the one start-up
-    line and leaves the guard off; the settings stay unloaded, so ``get_policy()`` and
-    ``install()`` raise the error, naming the variable.
+    An explicit import with a bad value raises. Where raising would break more than the guard (the
+    autoload's hook, a ``sitecustomize``), the guard is installed all the same with its settings
+    unloaded, so the first kernel that reaches it raises the error, naming the variable, instead of
+    running unguarded into JAX's own error; the ``pallas-guard`` CLI reports bad values itself.
     """
-    quiet = during_site_startup() or cli_startup()
     try:
         install()
     except (ValueError, TypeError) as error:
-        if not quiet:
+        if cli_startup():
+            return
+        if not (pallas_guard_autoload.loading or during_site_startup()):
             raise
-        if not cli_startup():
-            pallas_guard_autoload.report_startup_error(error)
+        with _settings.unsettled():
+            install()
+        pallas_guard_autoload.report_startup_error(error)

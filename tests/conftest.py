@@ -99,7 +99,7 @@ def guard_variables() -> frozenset[str]:
     ``PALLAS_GUARD_DETECT_RACES``), taken from the settings table so a new one is never missed."""
     from pallas_guard_autoload import OPTIONS
 
-    return frozenset(env for option in OPTIONS.values() for env in (option.env, option.alias and option.alias.env) if env)
+    return frozenset(env for option in OPTIONS.values() for env in option.variables())
 
 
 def clean_env(

@@ -8,7 +8,6 @@ kernel runs in both processes. Everything is bounded in time: JAX's own timeouts
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys

@@ -306,3 +306,79 @@ def test_scope_is_asyncio_task_local() -> None:
         return list(await asyncio.gather(*(task(p) for p in Policy)))
 
     assert asyncio.run(main()) == list(Policy)
+
+
+# --- integers, near misses, one error class -------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("raw", "shown"),
+    [
+        ("\u00b2", r"'\xb2'"),  # a superscript two: str.isdigit() says yes, int() says no
+        ("9" * 5000, "'" + "9" * 40 + "'... (5000 characters)"),  # past int()'s 4300-digit limit
+        ("1e3", "'1e3'"),
+        ("\uff11", r"'\uff11'"),  # a fullwidth one, which int() would take
+        ("1_000", "'1_000'"),
+        ("+5", "'+5'"),
+        ("0", "'0'"),
+        ("-3", "'-3'"),
+    ],
+)
+def test_every_integer_setting_refuses_what_is_not_plain_digits(
+    monkeypatch: pytest.MonkeyPatch, raw: str, shown: str
+) -> None:
+    monkeypatch.setenv(MAX_STEPS_ENV, raw)
+    with pytest.raises(PallasGuardConfigError) as error:
+        read_environment()
+    assert str(error.value).startswith(f"{MAX_STEPS_ENV}={shown} is not a valid pallas_guard step budget; ")
+
+
+@pytest.mark.parametrize(
+    ("value", "named"),
+    [pytest.param(10**5000, "an int of 16610 bits", id="10**5000"), (-1, "-1"), ("1e3", "'1e3'"), (True, None)],
+)
+def test_install_refuses_an_integer_it_cannot_take_naming_the_argument(value: object, named: str | None) -> None:
+    if named is None:  # a bool is not an int here
+        with pytest.raises(TypeError, match=r"install\(max_steps=\.\.\.\) must be a str or int, got bool"):
+            pallas_guard.install(max_steps=value)  # type: ignore[arg-type]
+        return
+    with pytest.raises(PallasGuardConfigError) as error:
+        pallas_guard.install(max_steps=value)  # type: ignore[arg-type]
+    assert str(error.value).startswith(f"install(max_steps=...)={named} is not a valid pallas_guard step budget")
+
+
+@pytest.mark.parametrize(
+    ("name", "typo", "meant"),
+    [
+        ("policy", "intepret", "interpret"),
+        ("policy", "Stirct", "strict"),
+        ("interpreter", "tpuu", "tpu"),
+        ("checks", "race", "races"),
+        ("checks", "races,bound", "races,bounds"),
+    ],
+)
+def test_a_near_miss_names_the_closest_valid_value(name: str, typo: str, meant: str) -> None:
+    with pytest.raises(PallasGuardConfigError) as error:
+        OPTIONS[name].parse(typo, OPTIONS[name].env)
+    assert str(error.value).endswith(f"; did you mean {meant!r}?")
+
+
+def test_nothing_close_suggests_nothing() -> None:
+    with pytest.raises(PallasGuardConfigError) as error:
+        OPTIONS["policy"].parse("zzzzzz", POLICY_ENV)
+    assert "did you mean" not in str(error.value)
+
+
+def test_reloading_the_autoload_keeps_the_one_error_class_pallas_guard_catches() -> None:
+    result = run_python(
+        """
+        import importlib, pallas_guard, pallas_guard_autoload
+        before = pallas_guard.PallasGuardConfigError
+        importlib.reload(pallas_guard_autoload)
+        try:
+            pallas_guard_autoload.OPTIONS["policy"].parse("loud", "x")
+        except pallas_guard.PallasGuardConfigError:
+            print("caught", pallas_guard_autoload.PallasGuardConfigError is before)
+        """
+    )
+    assert result.stdout.split() == ["caught", "True"], result.stderr

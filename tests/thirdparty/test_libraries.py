@@ -11,7 +11,6 @@ hand), the decisions name the interpreter and the script's own line, and ``stric
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
