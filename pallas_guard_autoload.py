@@ -69,6 +69,14 @@ def shown(value: object) -> str:
         return f"a {type(value).__name__} that cannot be printed"
 
 
+def printable(text: str) -> str:
+    """``text`` with every control or other unprintable character escaped (``\\x1b``, ``\\n``): a
+    kernel's name or a variable's value must not move the cursor or forge a line of a report."""
+    if text.isprintable():
+        return text
+    return "".join(char if char.isprintable() else ascii(char)[1:-1] for char in text)
+
+
 def closest(word: str, vocabulary: "Sequence[str]") -> str | None:
     """The accepted word nearest to ``word`` (a typo's likely intent), else None."""
     import difflib  # only on the error path: start-up imports nothing but os and sys

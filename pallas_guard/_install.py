@@ -14,7 +14,7 @@ from typing import Any
 import pallas_guard_autoload
 
 from . import _settings
-from ._entry_points import ENTRY_POINTS, MODULES, PALLAS_MODULE, EntryPoint
+from ._entry_points import ENTRY_POINTS, MODULES, EntryPoint
 from ._enums import Interpreter, Policy
 
 
@@ -102,10 +102,6 @@ class Installation:
             if not self.requested or self.failure is not None:
                 return
             try:
-                if module.__name__ == PALLAS_MODULE:
-                    from ._internals import check_tested_range
-
-                    check_tested_range()
                 for entry in ENTRY_POINTS:
                     if entry.module == module.__name__:
                         self._wrap_entry_point(module, entry)
