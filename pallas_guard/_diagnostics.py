@@ -188,7 +188,7 @@ def message(
             f"pallas_guard: {what} cannot run on the CPU: the guard tried {tried}{chosen}, and {failure}.",
             "Why the target is the CPU: " + "; ".join(target.evidence) + ".",
             *accelerator_evidence(),
-            "To fix: run it where a GPU/TPU backend is available; or force another interpreter with "
+            "To fix: run it where a GPU/TPU backend is available; or force another interpreter: "
             f"{how_to_set('interpreter', 'plain|tpu|gpu', current('interpreter').source)} (auto chooses per "
             f"kernel); or {how_to_set('policy', 'strict', policy.source)} to fail before tracing.",
         ]

@@ -175,19 +175,19 @@ def how_to_set(name: str, value: object, source: str) -> str:  # noqa: PLR0911 -
     python = repr(word) if not isinstance(value, int) or isinstance(value, bool) else word
     argument = python if name == "policy" else f"{name}={python}"
     if source.startswith(option.pytest_option):
-        return f"{option.pytest_option}={word}"
+        return f"pass {option.pytest_option}={word}"
     if source.startswith(option.ini):
-        where = source.partition(" in ")[2]
-        return f"{option.ini} = {word} (in {where or 'the ini file'}), or {option.pytest_option}={word}"
+        where = source.partition(" in ")[2] or "the ini file"
+        return f"set {option.ini} = {word} in {where} (or pass {option.pytest_option}={word})"
     if source.startswith("@pytest.mark.pallas_guard"):
-        return f"@pytest.mark.pallas_guard({argument})"
+        return f"use @pytest.mark.pallas_guard({argument})"
     if "policy() scope" in source or source.startswith("policy("):
-        return f"pallas_guard.policy({argument})"
+        return f"use pallas_guard.policy({argument})"
     if source.startswith("install("):
-        return f"pallas_guard.install({argument})"
+        return f"call pallas_guard.install({argument})"
     if source.startswith("set_policy("):
-        return f"pallas_guard.set_policy({python})"
-    return f"{option.env}={word}"
+        return f"call pallas_guard.set_policy({python})"
+    return f"set {option.env}={word}"
 
 
 class Outcome(NamedTuple):

@@ -135,7 +135,7 @@ def test_strict_refuses_at_the_front_door_before_tracing_the_body(guard: Any, xs
     assert "'test_strict_refuses_at_the_front_door_before_tracing_the_body.<locals>.spying_kernel'" in text
     assert f"called at {__file__}:{line_of('CALL-SITE-STRICT')}" in text
     assert "Why the target is the CPU:" in text
-    assert "PALLAS_GUARD_POLICY=interpret" in text and "interpret=True" in text
+    assert "To fix: call pallas_guard.install('interpret')" in text and "interpret=True" in text  # where it was set
     (record,) = pallas_guard.decisions()
     assert (record.action, record.layer) == ("refused", "front door")
 

@@ -647,7 +647,7 @@ def test_warn_advice_names_the_option_that_set_the_policy(tester: pytest.Pyteste
     result = runpytest(tester, "--pallas-guard-policy=warn", "-W", "default")
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(
-        ["*To silence: --pallas-guard-policy=interpret; to fail instead: --pallas-guard-policy=strict*"]
+        ["*To silence: pass --pallas-guard-policy=interpret; to fail instead: pass --pallas-guard-policy=strict*"]
     )
     assert "PALLAS_GUARD_POLICY=interpret" not in result.stdout.str()
 
@@ -655,12 +655,17 @@ def test_warn_advice_names_the_option_that_set_the_policy(tester: pytest.Pyteste
 @pytest.mark.parametrize(
     ("ini", "marker", "source", "advice"),
     [
-        ("pallas_guard_max_steps = 2\n", "", "pallas_guard_max_steps in pytest.ini", "pallas_guard_max_steps = 4"),
+        (
+            "pallas_guard_max_steps = 2\n",
+            "",
+            "pallas_guard_max_steps in pytest.ini",
+            "set pallas_guard_max_steps = 4 in pytest.ini",
+        ),
         (
             "",
             "@pytest.mark.pallas_guard(max_steps=2)\n",
             "@pytest.mark.pallas_guard on test_budget.py::test_it",
-            "@pytest.mark.pallas_guard(max_steps=4)",
+            "use @pytest.mark.pallas_guard(max_steps=4)",
         ),
     ],
     ids=["ini", "marker"],

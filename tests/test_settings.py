@@ -382,3 +382,30 @@ def test_reloading_the_autoload_keeps_the_one_error_class_pallas_guard_catches()
         """
     )
     assert result.stdout.split() == ["caught", "True"], result.stderr
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "source", "advice"),
+    [
+        ("policy", "interpret", POLICY_ENV, "set PALLAS_GUARD_POLICY=interpret"),
+        ("policy", "interpret", PALLAS_INTERPRET_ENV, "set PALLAS_GUARD_POLICY=interpret"),  # wins over the alias
+        ("policy", "interpret", "default", "set PALLAS_GUARD_POLICY=interpret"),
+        ("policy", "strict", "--pallas-guard-policy", "pass --pallas-guard-policy=strict"),
+        (
+            "max_steps",
+            64,
+            "pallas_guard_max_steps in pyproject.toml",
+            "set pallas_guard_max_steps = 64 in pyproject.toml (or pass --pallas-guard-max-steps=64)",
+        ),
+        ("max_steps", 64, "@pytest.mark.pallas_guard on t.py::test", "use @pytest.mark.pallas_guard(max_steps=64)"),
+        ("policy", "warn", "@pytest.mark.pallas_guard on t.py::test", "use @pytest.mark.pallas_guard('warn')"),
+        ("checks", "none", "pallas_guard.policy() scope", "use pallas_guard.policy(checks='none')"),
+        ("interpreter", "tpu", "install(interpreter=...)", "call pallas_guard.install(interpreter='tpu')"),
+        ("policy", "interpret", "set_policy()", "call pallas_guard.set_policy('interpret')"),
+        ("checks", frozenset({"bounds", "races"}), CHECKS_ENV, "set PALLAS_GUARD_CHECKS=races,bounds"),
+    ],
+)
+def test_advice_is_phrased_for_the_surface_that_set_the_value(
+    name: str, value: object, source: str, advice: str
+) -> None:
+    assert _settings.how_to_set(name, value, source) == advice
