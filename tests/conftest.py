@@ -20,6 +20,8 @@ import pallas_guard
 from pallas_guard import _record, _settings
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+# A user's project, run by tests/test_quickstart.py under the guard; not tests of this suite.
+collect_ignore = ["quickstart"]
 
 # `import pallas_guard` installed the guard with the environment's policy; tests opt in instead.
 pallas_guard.uninstall()

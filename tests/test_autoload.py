@@ -272,7 +272,8 @@ def test_python_warning_options_naming_the_category_are_honoured(
 
 
 def test_a_message_filter_needs_no_import_at_startup(venvs: dict[str, Path]) -> None:
-    """README's alternative: match our messages (they start with "pallas_guard:"), not the category."""
+    """The documented alternative (docs/activation-and-startup.md): match our messages (they start with
+    "pallas_guard:"), not the category."""
     result = run(
         venvs["autoload"], WARN_SCRIPT, {POLICY_ENV: "warn"}, interpreter_args=("-W", "error:pallas_guard:UserWarning")
     )

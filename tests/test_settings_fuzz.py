@@ -1,6 +1,6 @@
 """Bad input refused: any string for a setting is either a valid value or the documented error.
 
-The documented shape (README, "Settings"): ``PallasGuardConfigError`` (a ``ValueError``) saying
+The documented shape (docs/how-it-decides.md, "Settings"): ``PallasGuardConfigError`` (a ``ValueError``) saying
 ``<source>=<ascii(value)> is not a valid pallas_guard <kind>; accepted values (case-insensitive): ...``,
 then ``; did you mean '<the closest accepted value>'?`` where one is close,
 and ``TypeError`` naming the argument for a value of the wrong type. Never another exception,
