@@ -243,18 +243,10 @@ def pytest_report_header(config: pytest.Config) -> str | list[str]:
         printable(f"pallas_guard: {', '.join(settings)}, target {where} ({'; '.join(target.evidence)})"),
         f"pallas_guard: Pallas kernels here will {_outcome().text}",
     ]
+    from pallas_guard._cli import installation_notices  # the same notices as doctor's
+
     lines.extend(f"pallas_guard: notice: {printable(notice)}" for notice in installation_notices())
     return lines
-
-
-def installation_notices() -> list[str]:
-    """What concerns the installation rather than a kernel (a jax past the tested range, a JAX
-    internal not found): shown here and by ``doctor``, never as a warning while pytest configures."""
-    from pallas_guard import _internals
-
-    notice = _internals.tested_range_notice()
-    missing = [f"JAX internal {name!r} not found: {why}" for name, why in sorted(_internals.missing.items())]
-    return ([notice] if notice else []) + missing
 
 
 # --- the marker -----------------------------------------------------------------------------------

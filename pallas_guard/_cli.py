@@ -196,18 +196,17 @@ def collect() -> dict[str, Any]:
     report["guard_in_this_process"] = dataclasses.asdict(status)
     if status.failure:
         problems.append(f"The guard disabled itself after an internal error: {status.failure}")
-    report["notices"] = _notices(report["jax"])
+    report["notices"] = installation_notices() if report["jax"].get("installed") else []
     report["verdict"] = _verdict(report)
     report["problems"] = problems
     report["exit_code"] = EXIT_PROBLEMS if problems else EXIT_OK
     return report
 
 
-def _notices(jax_facts: dict[str, Any]) -> list[str]:
+def installation_notices() -> list[str]:
     """What concerns the installation rather than a kernel: a jax past the tested range, a JAX
-    internal not found (the pytest plugin's header shows the same)."""
-    if not jax_facts.get("installed"):
-        return []
+    internal not found. ``doctor`` and the pytest header show them; neither is ever a warning (one
+    while pytest configures would stop a ``filterwarnings = error`` session)."""
     from . import _internals
 
     notice = _internals.tested_range_notice()
