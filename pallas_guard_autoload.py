@@ -13,8 +13,9 @@ nothing else:
 - :func:`activate`, called by the ``.pth`` line (Python < 3.15), by the PEP 829 ``.start`` entry
   point (Python >= 3.15, where ``.pth`` import lines stop running) and by a ``sitecustomize``. When
   the guard is wanted and every variable is valid, it registers a post-import hook that imports
-  ``pallas_guard`` (which installs the guard) when ``jax.experimental.pallas`` is imported; a bad
-  value prints one line and leaves the guard off, and an explicit ``import pallas_guard`` raises.
+  ``pallas_guard`` (which installs the guard) when ``jax.experimental.pallas`` is imported. A bad
+  value prints one line and still installs the guard, whose first kernel raises the error (never a
+  silently unguarded process); an explicit ``import pallas_guard`` raises it at once.
 """
 
 import os
@@ -47,18 +48,63 @@ class PallasGuardConfigError(ValueError):
     """A setting (environment variable or API argument) has a value pallas_guard does not accept."""
 
 
+# One class per process, whatever reloads this module: `pallas_guard` catches and re-exports the
+# first one, so a second class would escape its handlers.
+_ERROR_CLASS = "_pallas_guard_config_error"  # on sys: outlives a reload, as _REPORTED below
+PallasGuardConfigError = getattr(sys, _ERROR_CLASS, PallasGuardConfigError)  # type: ignore[misc]
+setattr(sys, _ERROR_CLASS, PallasGuardConfigError)
 PallasGuardConfigError.__module__ = "pallas_guard"  # the name users import and catch
 
 
-def _shown(value: object) -> str:
-    # ascii(): a look-alike (a Cyrillic letter in 'warn') prints escaped, visibly not 'warn'.
-    return ascii(value)
+def shown(value: object) -> str:
+    """A value as messages print it: ``ascii()``, so a look-alike (a Cyrillic letter in 'warn')
+    prints escaped, visibly not 'warn', and a control character cannot forge a line."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        return f"an int of {value.bit_length()} bits"  # repr() itself refuses past 4300 digits
+    if isinstance(value, str) and len(value) > 80:
+        return f"{value[:40]!a}... ({len(value)} characters)"
+    try:
+        return ascii(value)
+    except ValueError:
+        return f"a {type(value).__name__} that cannot be printed"
+
+
+def printable(text: str) -> str:
+    """``text`` with every control or other unprintable character escaped (``\\x1b``, ``\\n``): a
+    kernel's name or a variable's value must not move the cursor or forge a line of a report."""
+    if text.isprintable():
+        return text
+    return "".join(char if char.isprintable() else ascii(char)[1:-1] for char in text)
+
+
+def closest(word: str, vocabulary: "Sequence[str]") -> str | None:
+    """The accepted word nearest to ``word`` (a typo's likely intent), else None."""
+    import difflib  # only on the error path: start-up imports nothing but os and sys
+
+    matches = difflib.get_close_matches(word, vocabulary, n=1, cutoff=0.6)
+    return matches[0] if matches else None
 
 
 class Option:
-    """One setting: its variable, how a value is parsed, what is accepted, its default."""
+    """One setting: its variable, pytest option and ini key, how a value is parsed, what is
+    accepted (with each word's meaning), its default and its help."""
 
-    __slots__ = ("accepted", "alias", "also", "default", "env", "help", "kind", "name", "parse_word", "word_of")
+    __slots__ = (
+        "accepted",
+        "alias",
+        "also",
+        "default",
+        "env",
+        "help",
+        "ini",
+        "kind",
+        "meanings",
+        "name",
+        "parse_word",
+        "pytest_option",
+        "vocabulary",
+        "word_of",
+    )
 
     def __init__(  # noqa: PLR0917 - one row of the OPTIONS table, read positionally
         self,
@@ -72,9 +118,13 @@ class Option:
         word_of: "Callable[[object], str | None]" = lambda value: None,
         alias: "Option | None" = None,
         also: str = "",
+        meanings: "Mapping[str, str] | None" = None,
+        vocabulary: "Sequence[str]" = (),
     ) -> None:
         self.name = name
         self.env = env
+        self.pytest_option = "--pallas-guard-" + name.replace("_", "-")
+        self.ini = "pallas_guard_" + name
         self.kind = kind
         self.parse_word = parse_word  # normalised str -> value, or None when not accepted
         self.accepted = accepted
@@ -83,22 +133,49 @@ class Option:
         self.word_of = word_of  # a non-str API value (an int, a list) -> its word, or None: wrong type
         self.alias = alias  # another variable that sets this option when this one is unset
         self.also = also  # the types word_of accepts, for the error: " or int"
+        self.meanings = dict(meanings or {})  # each accepted word -> what it does, in one line
+        self.vocabulary = tuple(vocabulary) or tuple(self.meanings)  # the words a typo is matched against
 
     def parse(self, value: object, source: str) -> "Any":
         """``value`` (a str, or a value of an accepted type) parsed, or an error naming ``source``."""
         word = value if isinstance(value, str) else self.word_of(value)
         if word is None:
             raise TypeError(
-                f"{source} must be a str{self.also}, got {type(value).__name__} {_shown(value)}; "
+                f"{source} must be a str{self.also}, got {type(value).__name__} {shown(value)}; "
                 f"accepted values: {self.accepted}"
             )
-        parsed = self.parse_word(word.strip().lower())
+        normalised = word.strip().lower()
+        parsed = self.parse_word(normalised)
         if parsed is None:
             raise PallasGuardConfigError(
-                f"{source}={_shown(value)} is not a valid pallas_guard {self.kind}; "
-                f"accepted values (case-insensitive): {self.accepted}"
+                f"{source}={shown(value)} is not a valid pallas_guard {self.kind}; "
+                f"accepted values (case-insensitive): {self.accepted}{self.suggestion(normalised)}"
             )
         return parsed
+
+    def suggestion(self, word: str) -> str:
+        """``; did you mean 'interpret'?`` for a near miss of an accepted word (each part of a
+        comma list on its own), else nothing."""
+        if not self.vocabulary or not word:
+            return ""
+        if "," in word and self.kind == "set of checks":
+            parts = [part.strip() for part in word.split(",") if part.strip()]
+            fixed = [part if part in self.vocabulary else closest(part, self.vocabulary) for part in parts]
+            return f"; did you mean {','.join(fixed)!r}?" if parts and None not in fixed else ""  # type: ignore[arg-type]
+        near = closest(word, self.vocabulary)
+        return f"; did you mean {near!r}?" if near is not None else ""
+
+    def word(self, value: object) -> str:
+        """A value as the word that sets it: ``warn``, ``races,bounds``, ``none``, ``64``."""
+        if value is None:
+            return "none"
+        if isinstance(value, (set, frozenset)):
+            return ",".join(check for check in CHECKS if check in value) or "none"
+        return str(getattr(value, "value", value))
+
+    def variables(self) -> "tuple[str, ...]":
+        """The variables that set this option: its own, then its alias."""
+        return (self.env, self.alias.env) if self.alias is not None else (self.env,)
 
     def setting_from_environment(self, environ: "Mapping[str, str] | None" = None) -> "tuple[Any, str] | None":
         """``(value, variable)`` from this option's variable, else from its alias; None when neither
@@ -129,22 +206,26 @@ def _choice(*words: str) -> "Callable[[str], str | None]":
 
 _TRUE = frozenset({"1", "true", "yes", "on", "y", "t"})
 _FALSE = frozenset({"0", "false", "no", "off", "n", "f"})
+_BOOLEAN_WORDS = ("1", "true", "yes", "on", "0", "false", "no", "off")
 
 
-def _boolean(word: str) -> bool | None:
-    return True if word in _TRUE else False if word in _FALSE else None
+_MAX_INT_DIGITS = 18  # past any grid a test runs; and int() itself refuses past 4300
 
 
-def _word_of_bool(value: object) -> str | None:
-    return ("1" if value else "0") if isinstance(value, bool) else None
-
-
-def _steps(word: str) -> int | None:
-    return int(word) if word.isdigit() and int(word) > 0 else None
+def positive_int(word: str) -> int | None:
+    """The one parser of integer settings: ASCII digits only (``int()`` would take a fullwidth ``'1'``, ``'1_0'``
+    and ``'+1'``, and refuse ``'²'``, which ``str.isdigit()`` accepts), at most 18 of them; else None."""
+    if not (0 < len(word) <= _MAX_INT_DIGITS and word.isascii() and word.isdigit()):
+        return None
+    number = int(word)
+    return number if number > 0 else None
 
 
 def _word_of_int(value: object) -> str | None:
-    return str(value) if isinstance(value, int) and not isinstance(value, bool) else None
+    if not isinstance(value, int) or isinstance(value, bool):
+        return None
+    # A huge int: a word parse refuses by its length, without str() (which raises past 4300 digits).
+    return str(value) if value.bit_length() <= 64 else "9" * (_MAX_INT_DIGITS + 1)
 
 
 CHECKS = ("races", "bounds")
@@ -163,6 +244,14 @@ def _word_of_checks(value: object) -> str | None:
     return None
 
 
+POLICIES = {
+    "interpret": "run interpreted, silently",
+    "warn": "run interpreted, with a PallasGuardWarning at the caller's line",
+    "strict": "be refused with a PallasGuardError that says why and how to fix it",
+    "off": "fail with JAX's own error, as without the guard",
+}
+"""Each policy and what it does to a Pallas kernel that would lower for the CPU without interpret=."""
+
 OPTIONS = {
     option.name: option
     for option in (
@@ -170,11 +259,12 @@ OPTIONS = {
             "policy",
             POLICY_ENV,
             "policy",
-            _choice("interpret", "warn", "strict", "off"),
-            "'interpret', 'warn', 'strict', 'off'",
+            _choice(*POLICIES),
+            ", ".join(map(repr, POLICIES)),
             "warn",
             "what happens to a Pallas kernel that would lower for the CPU without interpret=: "
-            "interpret, warn (interpret + a warning), strict (raise) or off",
+            + "; ".join(f"{word} ({meaning})" for word, meaning in POLICIES.items()),
+            meanings=POLICIES,
             alias=Option(
                 "policy",
                 PALLAS_INTERPRET_ENV,
@@ -183,6 +273,7 @@ OPTIONS = {
                 ", ".join(sorted(_TRUE)) + " (policy interpret) / " + ", ".join(sorted(_FALSE)) + ", or empty",
                 None,
                 "the variable other Pallas projects read; truthy means policy interpret",
+                vocabulary=_BOOLEAN_WORDS,
             ),
         ),
         Option(
@@ -193,6 +284,12 @@ OPTIONS = {
             "'auto', 'plain', 'tpu', 'gpu'",
             "auto",
             "which interpreter runs those kernels: auto (chosen per kernel), plain, tpu or gpu",
+            meanings={
+                "auto": "chosen per kernel: plain unless it needs TPU or Mosaic-GPU semantics, or a check",
+                "plain": "JAX's HLO interpreter (interpret=True)",
+                "tpu": "TPU interpret mode",
+                "gpu": "the Mosaic-GPU interpreter",
+            },
         ),
         Option(
             "checks",
@@ -205,6 +302,7 @@ OPTIONS = {
             "(out-of-bounds reads raise)",
             word_of=_word_of_checks,
             also=" or a list of str",
+            vocabulary=(*CHECKS, "all", "none"),
             alias=Option(
                 "checks",
                 DETECT_RACES_ENV,
@@ -213,14 +311,15 @@ OPTIONS = {
                 ", ".join(sorted(_TRUE)) + " / " + ", ".join(sorted(_FALSE)) + ", or empty",
                 None,
                 f"the older spelling of {CHECKS_ENV}=races",
+                vocabulary=_BOOLEAN_WORDS,
             ),
         ),
         Option(
             "max_steps",
             MAX_STEPS_ENV,
             "step budget",
-            _steps,
-            "a positive integer (grid steps), or unset for no budget",
+            positive_int,
+            f"a positive integer of at most {_MAX_INT_DIGITS} ASCII digits (grid steps), or unset for no budget",
             None,
             "the most grid steps an interpreted kernel may run; a kernel over it is not run",
             word_of=_word_of_int,
@@ -335,15 +434,21 @@ def finder() -> PostImportFinder:
 
 _REPORTED = "_pallas_guard_startup_error"  # on sys: must outlive a reload of this module
 activated = False
-"""Whether :func:`activate` found the guard wanted and valid, and registered the hook."""
+"""Whether :func:`activate` found the guard wanted, and registered the hook."""
 startup_error: str | None = None
-"""The one line :func:`activate` printed for a bad value, else None."""
+"""The one line start-up printed for a bad value, else None."""
+loading = False
+"""True while the post-import hook imports ``pallas_guard``: a bad value then must not leave the
+process without the guard (``install_at_import`` installs it, and the first kernel raises)."""
 
 
 def report_startup_error(error: BaseException) -> None:
     """Print the one start-up line for a bad setting (once per process, whoever reports it)."""
     global startup_error  # noqa: PLW0603 - read by doctor and the pytest plugin
-    line = "pallas_guard: " + " ".join(str(error).split()) + "; the guard is off in this process."
+    line = (
+        "pallas_guard: " + " ".join(str(error).split()) + " (the guard stays installed: each Pallas kernel "
+        "it sees raises this error until the value is fixed)."
+    )
     startup_error = line
     # site runs a venv's .pth files twice (CPython 3.11, 3.12): print the line once.
     if getattr(sys, _REPORTED, None) != line:
@@ -354,14 +459,22 @@ def report_startup_error(error: BaseException) -> None:
 def _load_guard(module: "ModuleType") -> None:
     """Post-import callback for jax.experimental.pallas: ``import pallas_guard`` installs the guard."""
     del module
+    global loading  # noqa: PLW0603
+    loading = True
     try:
         import pallas_guard  # noqa: F401
     except Exception as error:  # the user's `import jax.experimental.pallas` must not fail because of us
-        report_startup_error(error)
+        sys.stderr.write(f"pallas_guard: could not be imported, the guard is off: {type(error).__name__}: {error}\n")
+    finally:
+        loading = False
 
 
 def activate() -> None:
-    """Start-up entry point (``.pth`` line, ``pallas_guard_autoload.start``, ``sitecustomize``). Never raises."""
+    """Start-up entry point (``.pth`` line, ``pallas_guard_autoload.start``, ``sitecustomize``). Never raises.
+
+    A bad value does not switch the guard off: the line printed here says so, and the hook still
+    installs the guard, whose first kernel raises the error, naming the variable.
+    """
     global activated  # noqa: PLW0603
     if activated or not guard_wanted():
         return
@@ -369,6 +482,5 @@ def activate() -> None:
         read_environment()
     except (ValueError, TypeError) as error:
         report_startup_error(error)
-        return
     activated = True
     finder().register(PALLAS_MODULE, _load_guard)

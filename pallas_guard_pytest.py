@@ -28,31 +28,21 @@ from typing import Any, NamedTuple
 import pytest
 
 import pallas_guard_autoload
-from pallas_guard_autoload import CHECKS, OPTIONS, POLICY_ENV
-
-
-def _word(name: str, value: object) -> str:
-    """A setting's value as the word that sets it: ``races,bounds``, ``none``, ``warn``, ``64``."""
-    del name
-    if value is None:
-        return "none"
-    if isinstance(value, (set, frozenset)):
-        return ",".join(check for check in CHECKS if check in value) or "none"
-    return str(getattr(value, "value", value))
+from pallas_guard_autoload import OPTIONS, POLICY_ENV, printable
 
 
 def _option_help(name: str) -> str:
-    """An option's help, from its row of ``OPTIONS`` (accepted values, variable, default)."""
+    """An option's help, from its row of ``OPTIONS`` (accepted values, ini key, variable, default)."""
     option = OPTIONS[name]
-    default = "none: the guard stays off" if name == "policy" else f"default {_word(name, option.default)}"
+    default = "none: the guard stays off" if name == "policy" else f"default {option.word(option.default)}"
     return (
         f"pallas_guard {name.replace('_', ' ')}: {option.help}. Accepted: {option.accepted} "
-        f"(else the ini setting pallas_guard_{name}, else ${option.env}; {default})"
+        f"(else the ini setting {option.ini}, else ${option.env}; {default})"
     )
 
 
-POLICY_HELP = _option_help("policy")
-INTERPRETER_HELP = _option_help("interpreter")
+# Settings where a list is natural: a TOML array in the ini file (``pallas_guard_checks = ["races"]``).
+_LIST_SETTINGS = frozenset({"checks"})
 DETAILS_HELP = "list, per test, each Pallas kernel pallas_guard interpreted, refused or left alone"
 DURATIONS_DEFAULT = 5
 DURATIONS_HELP = (
@@ -92,12 +82,16 @@ class _Session:
     # --- activation ------------------------------------------------------------------------------
 
     def _given(self, name: str) -> tuple[str, str] | None:
-        option = self.config.getoption(name)
-        if option:
-            return option, f"--{name.replace('_', '-')}"
-        ini = self.config.getini(name)
+        """The value of setting ``name`` given to pytest, and where: its option, else its ini key."""
+        option = OPTIONS[name]
+        given = self.config.getoption(option.ini)
+        if given:
+            return given, option.pytest_option
+        ini = self.config.getini(option.ini)
+        if isinstance(ini, list):  # a TOML array, or an ini line split into words
+            ini = ",".join(ini)
         if ini:
-            return str(ini), f"{name} in {self._ini_file()}"
+            return str(ini), f"{option.ini} in {self._ini_file()}"
         return None
 
     def _ini_file(self) -> str:
@@ -120,7 +114,7 @@ class _Session:
         self._plugin_settings()
         given = {}
         for name in OPTIONS:  # every setting: --pallas-guard-<name>, ini pallas_guard_<name>
-            where = self._given(f"pallas_guard_{name}")
+            where = self._given(name)
             if where is not None:
                 given[name] = where
         if not (given or pallas_guard_autoload.guard_wanted() or _guard_requested()):
@@ -166,6 +160,7 @@ def _guard_requested() -> bool:
 
 
 def _parse(name: str, value: object, source: str) -> Any:
+    __tracebackhide__ = True  # the usage error is about the user's marker, not this frame
     try:
         return OPTIONS[name].parse(value, source)
     except (ValueError, TypeError) as error:
@@ -173,6 +168,7 @@ def _parse(name: str, value: object, source: str) -> Any:
 
 
 def _row(decision: Any, nodeid: str) -> dict[str, Any]:
+    # getattr: a check's or a cost's note, where the recording guard has them.
     return {
         "test": nodeid,
         "kernel": decision.kernel,
@@ -184,6 +180,7 @@ def _row(decision: Any, nodeid: str) -> dict[str, Any]:
         "layer": decision.layer,
         "entry_point": decision.entry_point,
         "steps": decision.steps,
+        "notes": list(getattr(decision, "notes", ())),
     }
 
 
@@ -195,12 +192,16 @@ _KEY = pytest.StashKey[_Session]()
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("pallas_guard", "pallas_guard: Pallas kernels written for GPU/TPU, on the CPU")
-    for name in OPTIONS:
+    for name, option in OPTIONS.items():
         help = _option_help(name)
-        group.addoption(
-            f"--pallas-guard-{name.replace('_', '-')}", dest=f"pallas_guard_{name}", metavar=name.upper(), help=help
-        )
-        parser.addini(f"pallas_guard_{name}", help)
+        group.addoption(option.pytest_option, dest=option.ini, metavar=name.upper(), help=help)
+        if name not in _LIST_SETTINGS:
+            parser.addini(option.ini, help)
+            continue
+        try:  # pytest >= 9.2: a TOML array or a string, each as written
+            parser.addini(option.ini, help, type=("args", "string"))  # type: ignore[arg-type]
+        except (AssertionError, TypeError, ValueError):  # older pytest: one type per setting
+            parser.addini(option.ini, help, type="args")
     group.addoption("--pallas-guard-details", action="store_true", dest="pallas_guard_details", help=DETAILS_HELP)
     group.addoption(
         "--pallas-guard-durations",
@@ -223,7 +224,7 @@ def pytest_configure(config: pytest.Config) -> None:
         config.pluginmanager.register(_XdistController(), "pallas_guard_xdist")
 
 
-def pytest_report_header(config: pytest.Config) -> str:
+def pytest_report_header(config: pytest.Config) -> str | list[str]:
     session = config.stash[_KEY]
     if not session.active:
         return (
@@ -235,10 +236,17 @@ def pytest_report_header(config: pytest.Config) -> str:
     target = _target.detect()
     where = target.platform or "decided when each kernel lowers"
     settings = []
-    for name in OPTIONS:
+    for name, option in OPTIONS.items():
         setting = _settings.current(name)
-        settings.append(f"{name.replace('_', ' ')} {_word(name, setting.value)} (from {setting.source})")
-    return f"pallas_guard: {', '.join(settings)}, target {where} ({'; '.join(target.evidence)})"
+        settings.append(f"{name.replace('_', ' ')} {option.word(setting.value)} (from {setting.source})")
+    lines = [
+        printable(f"pallas_guard: {', '.join(settings)}, target {where} ({'; '.join(target.evidence)})"),
+        f"pallas_guard: Pallas kernels here will {_outcome().text}",
+    ]
+    from pallas_guard._cli import installation_notices  # the same notices as doctor's
+
+    lines.extend(f"pallas_guard: notice: {printable(notice)}" for notice in installation_notices())
+    return lines
 
 
 # --- the marker -----------------------------------------------------------------------------------
@@ -259,6 +267,7 @@ _MARKER_SIGNATURE = (
 
 
 def _marker_arguments(item: pytest.Item, marker: pytest.Mark) -> dict[str, Any]:
+    __tracebackhide__ = True
     where = f"@pytest.mark.pallas_guard on {item.nodeid}"
     unknown = set(marker.kwargs) - set(OPTIONS) - set(_MARKER_ACTIONS)
     if len(marker.args) > 1 or unknown or ("policy" in marker.kwargs and marker.args):
@@ -287,6 +296,7 @@ def _marker_arguments(item: pytest.Item, marker: pytest.Mark) -> dict[str, Any]:
 def _marked(item: pytest.Item) -> _Marked | None:
     """The test's ``pallas_guard`` markers (function, class, module), merged: the closest of each
     argument wins. A bad argument is a usage error naming the test."""
+    __tracebackhide__ = True
     markers = list(item.iter_markers("pallas_guard"))
     if not markers:
         return None
@@ -304,19 +314,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         _marked(item)  # a bad marker value stops the run before any test, naming the test
 
 
-def _runs_interpreted() -> bool:
-    """Whether the guard would run an unmarked kernel interpreted here: the policy in effect is
-    interpret or warn, and the target is the CPU (or unknown with no accelerator plugin installed,
-    where JAX can only use the CPU, as the guard's plan decides)."""
+def _outcome() -> Any:
+    """What the guard does here to a kernel written for GPU/TPU (``_settings.outcome``, as ``doctor``
+    says it); an unknown target with no accelerator plugin installed is the CPU, as the plan decides."""
     from pallas_guard import _settings, _target
-    from pallas_guard._enums import Policy
 
-    if _settings.current_policy().value not in (Policy.INTERPRET, Policy.WARN):
-        return False
     target = _target.detect()
-    if target.platform is None:
-        return not _target.installed_accelerator_plugins()
-    return target.is_cpu
+    platform = target.platform
+    if platform is None and not _target.installed_accelerator_plugins():
+        platform = "cpu"
+    policy, interpreter = _settings.current_policy().value, _settings.current_interpreter().value
+    return _settings.outcome(policy.value, interpreter.value, platform)
+
+
+def _runs_interpreted() -> bool:
+    """Whether the guard would run an unmarked kernel interpreted here (target CPU, policy interpret or warn)."""
+    return bool(_outcome().interpreted)
 
 
 @pytest.fixture(autouse=True)
@@ -328,15 +341,19 @@ def _pallas_guard_marker(request: pytest.FixtureRequest) -> Iterator[None]:
     if marked is None or (not marked.settings and not _guard_requested()):
         yield
         return
+    __tracebackhide__ = True  # a failure is the test's, not this fixture's
     installed_here = not _guard_requested()
     try:
         import pallas_guard as guard
+        from pallas_guard import _settings
     except (ValueError, TypeError) as error:  # a bad PALLAS_GUARD_* variable
         raise pytest.UsageError(f"pallas_guard: {error}") from None
     if installed_here:
         guard.install()
+    # The scope's source names the marker, so advice and the step-budget error point at it.
+    source = f"@pytest.mark.pallas_guard on {request.node.nodeid}"
     try:
-        with guard.policy(**marked.settings):
+        with _settings.scope(_settings.given(marked.settings, call="@pytest.mark.pallas_guard", source=source)):
             if (marked.skip or marked.xfail) and _runs_interpreted():
                 if marked.skip:
                     raise pytest.skip.Exception(marked.skip, _use_item_location=True)
@@ -368,6 +385,7 @@ def _over_budget_error(error: BaseException | None) -> BaseException | None:
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, Any, Any]:
+    __tracebackhide__ = True
     report: pytest.TestReport = yield
     if (
         report.failed
@@ -443,17 +461,22 @@ def summary_lines(rows: list[dict[str, Any]], *, details: bool) -> list[str]:
     ]
     if not rows:
         return lines
+    notes = Counter(note for row in rows for note in row.get("notes") or ())
+    for note, count in notes.items():  # each distinct note once, with how many kernels it concerns
+        lines.append(printable(f"note ({count} kernel(s)): {note}"))
     if not details:
         shown = ", ".join(tests[:5]) + (f" and {len(tests) - 5} more" if len(tests) > 5 else "")
-        lines.append(f"from {shown} (--pallas-guard-details lists each kernel)")
+        lines.append(printable(f"from {shown} (--pallas-guard-details lists each kernel)"))
         return lines
     for row in sorted(rows, key=lambda r: (r["test"], r["action"], r["kernel"])):
         how = f" with the {row['interpreter']} interpreter" if row["action"] == "interpreted" else ""
         steps = f", {row['steps']} grid steps" if row.get("steps") is not None else ""
         lines.append(
-            f"{row['action'].upper()}{how} {row['test']}: {row['kernel']} ({row['entry_point']}, defined at "
-            f"{row['defined_at'] or '?'}, called at {row['called_at'] or '?'}{steps}) "
-            f"[{row['layer']}, policy {row['policy']}]"
+            printable(
+                f"{row['action'].upper()}{how} {row['test']}: {row['kernel']} ({row['entry_point']}, defined at "
+                f"{row['defined_at'] or '?'}, called at {row['called_at'] or '?'}{steps}) "
+                f"[{row['layer']}, policy {row['policy']}]"
+            )
         )
     return lines
 
@@ -481,7 +504,7 @@ def duration_lines(rows: list[dict[str, Any]], durations: dict[str, float], *, c
     for test in shown:
         took = f"{durations[test]:.2f}s" if test in durations else "?s"
         listed = ", ".join(what + (f" x{n}" if n > 1 else "") for what, n in sorted(kernels[test].items()))
-        lines.append(f"{took:>8} {test}: {listed}")
+        lines.append(printable(f"{took:>8} {test}: {listed}"))
     return lines
 
 

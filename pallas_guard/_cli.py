@@ -1,4 +1,4 @@
-"""The ``pallas-guard`` command: ``doctor``, ``run`` and ``demo``.
+"""The ``pallas-guard`` command: ``doctor``, ``run``, ``demo`` and ``--version``.
 
 Every setting goes through the parsers of ``pallas_guard_autoload.OPTIONS`` and every activation
 through ``install()`` (in ``run``'s children, through the autoload's ``.pth``/``.start`` entry point,
@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import pallas_guard_autoload
-from pallas_guard_autoload import OPTIONS, POLICY_ENV
+from pallas_guard_autoload import OPTIONS, POLICY_ENV, printable
 
 from . import _install, _settings, _target
 
@@ -63,28 +63,30 @@ def _distribution_version(name: str) -> str | None:
 
 
 def _settings_report(problems: list[str]) -> dict[str, Any]:
-    """The settings new processes get from the environment, and this process's, with sources."""
-    variables = [env for option in OPTIONS.values() for env in (option.env, option.alias and option.alias.env) if env]
+    """The settings new processes get from the environment, and this process's, with sources.
+
+    Each option is read on its own, so one bad variable is one problem on its own row, and the
+    other settings still show their values (from the environment or the default)."""
+    variables = [env for option in OPTIONS.values() for env in option.variables()]
     settings: dict[str, Any] = {"environment": {env: os.environ.get(env) for env in variables}}
+    errors = {}
     for name, option in OPTIONS.items():
         try:
             option.from_environment()
-            setting = _settings.current(name)
         except (ValueError, TypeError) as error:
+            errors[name] = str(error)
             problems.append(str(error))
-            settings[f"{name}_error"] = str(error)
+    for name, option in OPTIONS.items():
+        if name in errors:
+            settings[f"{name}_error"] = errors[name]
             continue
-        settings[name] = {"value": _shown(setting.value), "source": setting.source}
+        if errors:  # the process values cannot load: this option as the environment alone sets it
+            found = option.setting_from_environment()
+            value, source = found if found is not None else (option.default, "default")
+        else:
+            value, source = _settings.current(name)
+        settings[name] = {"value": option.word(value), "source": source}
     return settings
-
-
-def _shown(value: object) -> object:
-    """A setting's value as doctor prints it (and JSON holds it)."""
-    if isinstance(value, frozenset):  # checks
-        return ",".join(sorted(value)) or "none"
-    if value is None:  # max_steps
-        return "no budget"
-    return getattr(value, "value", value)  # the enums' words
 
 
 def _jax_facts(problems: list[str]) -> dict[str, Any]:
@@ -136,8 +138,9 @@ def _verdict(report: dict[str, Any]) -> str:
     settings = report["settings"]
     if any(key.endswith("_error") for key in settings):
         return (
-            "A PALLAS_GUARD_* value is invalid: new Python processes run without the guard "
-            "(their start-up prints one line saying so) and `import pallas_guard` raises."
+            "A PALLAS_GUARD_* value is invalid (see problems): with the autoload, new Python processes print "
+            "one line at start-up and keep the guard, whose first Pallas kernel raises the error; "
+            "`import pallas_guard` raises it at once."
         )
     backends = jax_facts["backends"]
     configured = jax_facts["configured_target"]["platform"]
@@ -150,17 +153,11 @@ def _verdict(report: dict[str, Any]) -> str:
                 "or set JAX_PLATFORMS=cpu (or unset it) to run on the CPU."
             )
         return "JAX could not initialise a backend, so where Pallas kernels lower is unknown."
-    if platform != "cpu":
-        return f"Pallas kernels here will compile for {platform}: the guard changes nothing."
     env_policy = pallas_guard_autoload.guard_wanted()  # PALLAS_GUARD_POLICY, or PALLAS_INTERPRET
     policy = str(OPTIONS["policy"].from_environment() or OPTIONS["policy"].default)
-    interpreter = settings["interpreter"]["value"]
-    outcome = {
-        "interpret": f"run interpreted on cpu (interpreter {interpreter}) under policy interpret",
-        "warn": f"run interpreted on cpu (interpreter {interpreter}) under policy warn",
-        "strict": "be refused on cpu with a diagnostic under policy strict",
-        "off": "fail on cpu with JAX's own error under policy off",
-    }[policy]
+    outcome = _settings.outcome(policy, settings["interpreter"]["value"], platform).text
+    if platform != "cpu":
+        return f"Pallas kernels here will {outcome}."
     if env_policy and report["autoload"]["installed"]:
         where = "in every Python process (the environment's policy, with the autoload)"
     elif env_policy:
@@ -199,15 +196,27 @@ def collect() -> dict[str, Any]:
     report["guard_in_this_process"] = dataclasses.asdict(status)
     if status.failure:
         problems.append(f"The guard disabled itself after an internal error: {status.failure}")
+    report["notices"] = installation_notices() if report["jax"].get("installed") else []
     report["verdict"] = _verdict(report)
     report["problems"] = problems
     report["exit_code"] = EXIT_PROBLEMS if problems else EXIT_OK
     return report
 
 
+def installation_notices() -> list[str]:
+    """What concerns the installation rather than a kernel: a jax past the tested range, a JAX
+    internal not found. ``doctor`` and the pytest header show them; neither is ever a warning (one
+    while pytest configures would stop a ``filterwarnings = error`` session)."""
+    from . import _internals
+
+    notice = _internals.tested_range_notice()
+    missing = [f"JAX internal {name!r} not found: {why}" for name, why in sorted(_internals.missing.items())]
+    return ([notice] if notice else []) + missing
+
+
 def _setting_line(settings: dict[str, Any], key: str) -> str:
-    if f"{key}_error" in settings:
-        return f"INVALID: {settings[f'{key}_error']}"
+    if f"{key}_error" in settings:  # the full error once, under problems
+        return f"INVALID: {settings[f'{key}_error'].partition(' is not a valid ')[0]} (see problems)"
     value = settings[key]
     return f"{value['value']} (from {value['source']})"
 
@@ -250,11 +259,15 @@ def render(report: dict[str, Any]) -> str:
     width = max(len(name) for name, _ in rows)
     lines = ["pallas-guard doctor", *(f"  {name:<{width}}  {value}" for name, value in rows)]
     lines.extend(f"  {line}" for line in accelerators["evidence"])
+    if report.get("notices"):
+        lines.append("notices:")
+        lines.extend(f"  - {notice}" for notice in report["notices"])
     if report["problems"]:
         lines.append("problems:")
         lines.extend(f"  - {problem}" for problem in report["problems"])
     lines.append(f"verdict: {report['verdict']}")
-    return "\n".join(lines)
+    # Values from the environment (JAX_PLATFORMS, a variable's value) must not drive the terminal.
+    return "\n".join(printable(line) for line in lines)
 
 
 def _doctor(args: argparse.Namespace) -> int:
@@ -266,22 +279,34 @@ def _doctor(args: argparse.Namespace) -> int:
 # --- run --------------------------------------------------------------------------------------------
 
 
+def _run_option(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
 def guarded_environment(
-    policy: str | None, interpreter: str | None, base: dict[str, str] | None = None
+    policy: str | None = None,
+    interpreter: str | None = None,
+    base: dict[str, str] | None = None,
+    **given: str | None,
 ) -> dict[str, str]:
-    """``base`` (default ``os.environ``) with the ``PALLAS_GUARD_*`` variables ``run`` sets.
+    """``base`` (default ``os.environ``) with the ``PALLAS_GUARD_*`` variables ``run`` sets: one per
+    option given (``--policy``, ``--interpreter``, ``--checks``, ``--max-steps``: every OPTIONS row).
 
     The policy variable is always set (to the environment's own value, else the default), since
     it is what makes the ``.pth`` autoload activate the guard. Raises on a bad value.
     """
     env = dict(os.environ if base is None else base)
     pallas_guard_autoload.read_environment(env)  # validate every variable before handing it to every child
-    if policy is not None:
-        env[POLICY_ENV] = OPTIONS["policy"].parse(policy, "--policy")
-    else:
+    given = {"policy": policy, "interpreter": interpreter, **given}
+    for name, option in OPTIONS.items():
+        value = given.get(name)
+        if value is not None:
+            option.parse(value, _run_option(name))
+            env[option.env] = value.strip()
+    if policy is None:
         env[POLICY_ENV] = str(OPTIONS["policy"].from_environment(env) or OPTIONS["policy"].default)
-    if interpreter is not None:
-        env[OPTIONS["interpreter"].env] = OPTIONS["interpreter"].parse(interpreter, "--interpreter")
+    else:
+        env[POLICY_ENV] = OPTIONS["policy"].parse(policy, "--policy")
     return env
 
 
@@ -306,7 +331,7 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if not command:
         parser.error("run needs a command after --, e.g. pallas-guard run -- pytest")
     try:
-        env = guarded_environment(args.policy, args.interpreter)
+        env = guarded_environment(**{name: getattr(args, name) for name in OPTIONS})
     except (ValueError, TypeError) as error:
         parser.error(str(error))
     if not installed_startup_files():
@@ -352,7 +377,7 @@ except Exception as error:
 print("result:", y)
 '''
 
-DEMO_POLICIES = ("interpret", "warn", "strict", "off")
+DEMO_POLICIES = tuple(OPTIONS["policy"].meanings)
 
 
 def _demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -404,6 +429,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog=_PROG,
         description="pallas_guard: Pallas kernels written for GPU/TPU behave well where they would lower for the CPU.",
     )
+    parser.add_argument("--version", action="version", version=f"{_PROG} {version()}")
     commands = parser.add_subparsers(dest="subcommand", required=True, metavar="{doctor,run,demo}")
     doctor = commands.add_parser(
         "doctor",
@@ -417,19 +443,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     doctor.add_argument("--json", action="store_true", help="print the report as JSON")
     doctor.set_defaults(subparser=doctor)
-    policies, interpreters = OPTIONS["policy"].accepted, OPTIONS["interpreter"].accepted
     run = commands.add_parser(
         "run",
         help="run a command with the guard active in it and its Python children",
         description=(
-            f"Run COMMAND with {POLICY_ENV} (and {OPTIONS['interpreter'].env}) set, so the autoload "
+            f"Run COMMAND with {POLICY_ENV} (and the variable of each option given) set, so the autoload "
             "activates the guard in every Python process it starts. The command replaces pallas-guard "
             "(exec): its exit status and signals are its own."
         ),
-        usage=f"{_PROG} run [-h] [--policy POLICY] [--interpreter INTERPRETER] -- COMMAND [ARG ...]",
+        usage=f"{_PROG} run [-h] "
+        + " ".join(f"[{_run_option(name)} {name.upper()}]" for name in OPTIONS)
+        + " -- COMMAND [ARG ...]",
     )
-    run.add_argument("--policy", help=f"one of {policies} (default: {POLICY_ENV}, else warn)")
-    run.add_argument("--interpreter", help=f"one of {interpreters} (default: {OPTIONS['interpreter'].env}, else auto)")
+    for name, option in OPTIONS.items():  # one option per setting, in the words of its row
+        run.add_argument(
+            _run_option(name),
+            dest=name,
+            metavar=name.upper(),
+            help=f"{option.help}; accepted: {option.accepted} (default: ${option.env}, else "
+            f"{option.word(option.default)})",
+        )
     run.add_argument("command", nargs=argparse.REMAINDER, help="the command, after --")
     run.set_defaults(subparser=run)
     demo = commands.add_parser(
@@ -442,6 +475,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.set_defaults(subparser=demo)
     return parser
+
+
+def version() -> str:
+    """This package's version, as installed (its distribution's metadata)."""
+    return _distribution_version("pallas_guard") or "unknown (not installed)"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

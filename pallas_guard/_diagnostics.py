@@ -11,12 +11,12 @@ import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Literal, NamedTuple
 
-from pallas_guard_autoload import CHECKS_ENV, INTERPRETER_ENV, MAX_STEPS_ENV, POLICY_ENV
+from pallas_guard_autoload import CHECKS_ENV, INTERPRETER_ENV
 
 from . import _interpreters
 from ._enums import Policy
 from ._errors import PallasGuardError, PallasGuardWarning
-from ._settings import Setting
+from ._settings import Setting, current, how_to_set
 from ._target import Target, accelerator_evidence
 
 
@@ -180,16 +180,17 @@ def message(
             f"pallas_guard: a data race was detected in {what}, run in {tried} with race detection "
             f"({CHECKS_ENV}=races); the detector's RACE DETECTED report above names the buffers."
         )
-        return "\n".join([head, f"To run without race detection: leave races out of {CHECKS_ENV}."])
+        checks = current("checks")
+        return "\n".join([head, f"To run without race detection: {how_to_set('checks', 'none', checks.source)}."])
     if failure is not None:
         chosen = f" (chosen because: {why_interpreter})" if why_interpreter else ""
         lines = [
             f"pallas_guard: {what} cannot run on the CPU: the guard tried {tried}{chosen}, and {failure}.",
             "Why the target is the CPU: " + "; ".join(target.evidence) + ".",
             *accelerator_evidence(),
-            f"To fix: run it where a GPU/TPU backend is available; or force another interpreter with "
-            f"{INTERPRETER_ENV}=plain|tpu|gpu (auto chooses per kernel); or set {POLICY_ENV}=strict "
-            "to fail before tracing.",
+            "To fix: run it where a GPU/TPU backend is available; or force another interpreter: "
+            f"{how_to_set('interpreter', 'plain|tpu|gpu', current('interpreter').source)} (auto chooses per "
+            f"kernel); or {how_to_set('policy', 'strict', policy.source)} to fail before tracing.",
         ]
         return "\n".join(lines)
     if refused:
@@ -213,11 +214,14 @@ def message(
     )
     if refused:
         lines.append(
-            f"To fix: set {POLICY_ENV}=interpret (or warn) to run it interpreted ({yourself}); "
-            "or run where a GPU/TPU backend is available."
+            f"To fix: {how_to_set('policy', 'interpret', policy.source)} (or warn) to run it interpreted "
+            f"({yourself}); or run where a GPU/TPU backend is available."
         )
     else:
-        lines.append(f"To silence: {POLICY_ENV}=interpret; to fail instead: {POLICY_ENV}=strict ({yourself}).")
+        lines.append(
+            f"To silence: {how_to_set('policy', 'interpret', policy.source)}; to fail instead: "
+            f"{how_to_set('policy', 'strict', policy.source)} ({yourself})."
+        )
     return "\n".join(lines)
 
 
@@ -365,7 +369,7 @@ def over_budget(
         f"more than the step budget of {budget.value} (from {budget.source}) for kernels run in "
         f"{_interpreters.describe_interpreter(interpreter)}.\n"
         "To fix: use smaller shapes in this test, or larger blocks (fewer grid steps); or raise the "
-        f"budget ({MAX_STEPS_ENV}, install(max_steps=...), policy(max_steps=...)); in pytest, "
+        f"budget: {how_to_set('max_steps', steps, budget.source)}; in pytest, "
         "pallas_guard_over_budget = skip skips such tests instead."
     )
     error.pallas_guard_over_budget = True  # type: ignore[attr-defined]  # the pytest plugin skips on it

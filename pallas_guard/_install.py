@@ -14,7 +14,7 @@ from typing import Any
 import pallas_guard_autoload
 
 from . import _settings
-from ._entry_points import ENTRY_POINTS, MODULES, PALLAS_MODULE, EntryPoint
+from ._entry_points import ENTRY_POINTS, MODULES, EntryPoint
 from ._enums import Interpreter, Policy
 from ._ledger import Ledger
 
@@ -105,10 +105,6 @@ class Installation:
             if not self.requested or self.failure is not None:
                 return
             try:
-                if module.__name__ == PALLAS_MODULE:
-                    from ._internals import check_tested_range
-
-                    check_tested_range()
                 for entry in ENTRY_POINTS:
                     if entry.module == module.__name__:
                         self._wrap_entry_point(module, entry)
@@ -256,16 +252,18 @@ def cli_startup() -> bool:
 def install_at_import() -> None:
     """What ``import pallas_guard`` does: a bare ``install()``.
 
-    Where raising would break more than the guard (a ``sitecustomize`` importing us, the
-    ``pallas-guard`` CLI, which reports bad values itself), a bad value prints the one start-up
-    line and leaves the guard off; the settings stay unloaded, so ``get_policy()`` and
-    ``install()`` raise the error, naming the variable.
+    An explicit import with a bad value raises. Where raising would break more than the guard (the
+    autoload's hook, a ``sitecustomize``), the guard is installed all the same with its settings
+    unloaded, so the first kernel that reaches it raises the error, naming the variable, instead of
+    running unguarded into JAX's own error; the ``pallas-guard`` CLI reports bad values itself.
     """
-    quiet = during_site_startup() or cli_startup()
     try:
         install()
     except (ValueError, TypeError) as error:
-        if not quiet:
+        if cli_startup():
+            return
+        if not (pallas_guard_autoload.loading or during_site_startup()):
             raise
-        if not cli_startup():
-            pallas_guard_autoload.report_startup_error(error)
+        with _settings.unsettled():
+            install()
+        pallas_guard_autoload.report_startup_error(error)

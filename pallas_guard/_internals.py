@@ -82,19 +82,21 @@ def jax_release() -> tuple[int, ...]:
     return _release(jax_version())
 
 
-def check_tested_range() -> None:
-    """Warn once on a jax past the tested range. Informational only: what the guard does there is
+def tested_range_notice() -> str | None:
+    """The notice for a jax past the tested range, else None; shown by the pytest header and
+    ``doctor``, never warned: it concerns the installation, not a kernel, and a warning while
+    pytest configures would stop a ``filterwarnings = error`` session. What the guard does there is
     decided by feature detection, and a missing internal is reported by :func:`note_missing`."""
     version = jax_version()
     release = _release(version)
-    if release and release >= TESTED_BELOW:
-        tested = ".".join(map(str, TESTED_BELOW))
-        _warn_once(
-            f"jax {version}",
-            f"pallas_guard: jax {version} is newer than the range pallas_guard was tested with "
-            f"(jax < {tested}); it keeps every layer whose JAX internals it finds, warns about any it "
-            "does not, and refuses with a diagnostic where it cannot run a kernel interpreted.",
-        )
+    if not (release and release >= TESTED_BELOW):
+        return None
+    tested = ".".join(map(str, TESTED_BELOW))
+    return (
+        f"jax {version} is newer than the range pallas_guard was tested with (jax < {tested}); it keeps "
+        "every layer whose JAX internals it finds, reports any it does not, and refuses with a diagnostic "
+        "where it cannot run a kernel interpreted"
+    )
 
 
 # --- primitives ---------------------------------------------------------------------------------

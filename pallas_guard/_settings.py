@@ -16,7 +16,7 @@ from contextlib import AbstractContextManager, contextmanager
 from types import MappingProxyType
 from typing import Any, Generic, NamedTuple, TypeVar
 
-from pallas_guard_autoload import OPTIONS, read_environment
+from pallas_guard_autoload import OPTIONS, POLICIES, read_environment
 
 from ._enums import Interpreter, Policy
 
@@ -68,6 +68,20 @@ class _Process:
 
 
 _process = _Process()
+_unsettled: contextvars.ContextVar[bool] = contextvars.ContextVar("pallas_guard_unsettled", default=False)
+
+
+@contextmanager
+def unsettled() -> Iterator[None]:
+    """Inside: a bad variable leaves the process values unloaded instead of raising, so the guard
+    can be installed and the first read of a setting (the first kernel) raises the error, naming it."""
+    token = _unsettled.set(True)
+    try:
+        yield
+    finally:
+        _unsettled.reset(token)
+
+
 _NO_OVERRIDES: Mapping[str, Setting[Any]] = MappingProxyType({})
 _scoped: contextvars.ContextVar[Mapping[str, Setting[Any]]] = contextvars.ContextVar(
     "pallas_guard_settings", default=_NO_OVERRIDES
@@ -76,8 +90,15 @@ _scoped: contextvars.ContextVar[Mapping[str, Setting[Any]]] = contextvars.Contex
 
 def configure(given: Mapping[str, Setting[Any]] | None = None) -> None:
     """Settle every option: ``given`` (from the API), else a value pinned earlier, else the
-    environment, else the default. Raises on a bad variable before changing anything."""
-    environment = read_environment()
+    environment, else the default. Raises on a bad variable before changing anything (inside
+    :func:`unsettled`, a bad variable leaves the values unloaded: the next read raises it)."""
+    try:
+        environment = read_environment()
+    except (ValueError, TypeError):
+        if not _unsettled.get() or given:
+            raise
+        reset()
+        return
     given = given or {}
     with _process.lock:
         previous = _process.values or {}
@@ -128,10 +149,6 @@ def current_interpreter() -> Setting[Interpreter]:
     return current("interpreter")
 
 
-def checks() -> frozenset[str]:
-    return frozenset(current("checks").value)
-
-
 def max_steps() -> Setting[int | None]:
     return current("max_steps")
 
@@ -144,3 +161,50 @@ def scope(overrides: Mapping[str, Setting[Any]]) -> Iterator[None]:
         yield
     finally:
         _scoped.reset(token)
+
+
+# --- the words a user reads about a setting -------------------------------------------------------
+
+
+def how_to_set(name: str, value: object, source: str) -> str:  # noqa: PLR0911 - one phrasing per surface
+    """How to set option ``name`` to ``value``, phrased for the surface that set it now (``source``),
+    since only that surface (or one above it) can win: the pytest option, the ini key, the marker,
+    a ``policy()`` scope, ``install()``/``set_policy()``, else the variable."""
+    option = OPTIONS[name]
+    word = option.word(value)
+    python = repr(word) if not isinstance(value, int) or isinstance(value, bool) else word
+    argument = python if name == "policy" else f"{name}={python}"
+    if source.startswith(option.pytest_option):
+        return f"pass {option.pytest_option}={word}"
+    if source.startswith(option.ini):
+        where = source.partition(" in ")[2] or "the ini file"
+        return f"set {option.ini} = {word} in {where} (or pass {option.pytest_option}={word})"
+    if source.startswith("@pytest.mark.pallas_guard"):
+        return f"use @pytest.mark.pallas_guard({argument})"
+    if "policy() scope" in source or source.startswith("policy("):
+        return f"use pallas_guard.policy({argument})"
+    if source.startswith("install("):
+        return f"call pallas_guard.install({argument})"
+    if source.startswith("set_policy("):
+        return f"call pallas_guard.set_policy({python})"
+    return f"set {option.env}={word}"
+
+
+class Outcome(NamedTuple):
+    """What the guard does here to a Pallas kernel written for GPU/TPU (``doctor``, the pytest plugin)."""
+
+    interpreted: bool
+    """It runs interpreted (on the CPU, under policy interpret or warn)."""
+    text: str
+    """The verdict, to follow "Pallas kernels here will ..."."""
+
+
+def outcome(policy: str, interpreter: str, platform: str | None) -> Outcome:
+    """The one verdict for ``policy`` and ``interpreter`` where kernels lower for ``platform``
+    (None: decided per kernel when it lowers); each policy's words come from its OPTIONS row."""
+    if platform is not None and platform != "cpu":
+        return Outcome(False, f"compile for {platform}: the guard changes nothing")
+    where = "on cpu" if platform == "cpu" else "where they lower for the cpu"
+    interpreted = policy in ("interpret", "warn")
+    how = f", interpreter {interpreter}" if interpreted else ""
+    return Outcome(interpreted and platform == "cpu", f"{POLICIES[policy]} ({where}{how}, policy {policy})")

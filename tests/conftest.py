@@ -20,6 +20,8 @@ import pallas_guard
 from pallas_guard import _record, _settings
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+# A user's project, run by tests/test_quickstart.py under the guard; not tests of this suite.
+collect_ignore = ["quickstart"]
 
 # `import pallas_guard` installed the guard with the environment's policy; tests opt in instead.
 pallas_guard.uninstall()
@@ -94,13 +96,30 @@ def xs() -> jax.Array:
 STARTUP_FILES = ("pallas_guard_autoload.pth", "pallas_guard_autoload.start")
 
 
-def clean_env(overrides: Mapping[str, str | None] | None = None, *, checkout_on_path: bool = True) -> dict[str, str]:
-    """This environment without any ``PALLAS_GUARD_*`` variable, plus ``overrides`` (None unsets).
+def guard_variables() -> frozenset[str]:
+    """Every variable the guard reads: each setting's own and its alias (``PALLAS_INTERPRET``,
+    ``PALLAS_GUARD_DETECT_RACES``), taken from the settings table so a new one is never missed."""
+    from pallas_guard_autoload import OPTIONS
+
+    return frozenset(env for option in OPTIONS.values() for env in option.variables())
+
+
+def clean_env(
+    overrides: Mapping[str, str | None] | None = None,
+    *,
+    checkout_on_path: bool = True,
+    base: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """``base`` (default: this environment) without any variable the guard reads (nor any other
+    ``PALLAS_GUARD_*``), plus ``overrides`` (None unsets): a developer's own settings never leak
+    into a subprocess test.
 
     ``checkout_on_path``: this checkout first on ``PYTHONPATH`` (a child imports the code under
     test); False drops ``PYTHONPATH`` altogether (a throwaway venv's path file provides it).
     """
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PALLAS_GUARD_")}
+    read = guard_variables()
+    env = {k: v for k, v in (os.environ if base is None else base).items() if k not in read}
+    env = {k: v for k, v in env.items() if not k.startswith("PALLAS_GUARD_")}
     if checkout_on_path:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     else:

@@ -14,7 +14,7 @@ import pytest
 from conftest import clean_env
 
 from pallas_guard import PallasGuardConfigError, _cli, _target
-from pallas_guard_autoload import DETECT_RACES_ENV, INTERPRETER_ENV, POLICY_ENV
+from pallas_guard_autoload import CHECKS_ENV, DETECT_RACES_ENV, INTERPRETER_ENV, MAX_STEPS_ENV, OPTIONS, POLICY_ENV
 
 AUTOLOAD_INSTALLED = bool(_cli.installed_startup_files())
 
@@ -81,7 +81,7 @@ def test_run_environment_always_sets_the_policy_variable() -> None:
     ("variable", "kind"), [(POLICY_ENV, "policy"), (INTERPRETER_ENV, "interpreter"), (DETECT_RACES_ENV, "boolean")]
 )
 def test_run_refuses_a_bad_variable_before_running_anything(variable: str, kind: str) -> None:
-    """Issue 10, item 4: every PALLAS_GUARD_* variable is checked, PALLAS_GUARD_DETECT_RACES too."""
+    """Every PALLAS_GUARD_* variable is checked, PALLAS_GUARD_DETECT_RACES too."""
     result = cli("run", "--policy", "warn", "--", sys.executable, "-c", "print('ran')", env={variable: "maybe"})
     assert result.returncode == _cli.EXIT_USAGE == 2
     assert result.stdout == ""
@@ -101,7 +101,10 @@ def test_doctor_reports_a_healthy_cpu_environment() -> None:
     ):
         assert re.search(f"^  {row}", out, re.MULTILINE), row
     assert "[initialised by doctor; pallas_guard itself never does]" in out
-    assert "verdict: Pallas kernels here will run interpreted on cpu (interpreter auto) under policy warn" in out
+    assert (
+        "verdict: Pallas kernels here will run interpreted, with a PallasGuardWarning at the caller's line "
+        "(on cpu, interpreter auto, policy warn)"
+    ) in out
 
 
 def test_doctor_json_names_an_invalid_variable_and_exits_1() -> None:
@@ -116,7 +119,7 @@ def test_doctor_json_names_an_invalid_variable_and_exits_1() -> None:
 
 
 def test_doctor_prints_a_look_alike_value_escaped() -> None:
-    """Issue 10, item 7: a Cyrillic omega in 'warn' must not look like the accepted 'warn'."""
+    """A Cyrillic omega in 'warn' must not look like the accepted 'warn'."""
     result = cli("doctor", env={POLICY_ENV: "\u0461arn"})
     assert result.returncode == _cli.EXIT_PROBLEMS
     assert "PALLAS_GUARD_POLICY='\\u0461arn' is not a valid pallas_guard policy" in result.stdout
@@ -127,7 +130,7 @@ def test_doctor_prints_a_look_alike_value_escaped() -> None:
     any(p.startswith("jax-cuda") for p in _target.installed_accelerator_plugins()), reason="a CUDA plugin is installed"
 )
 def test_doctor_with_an_unavailable_configured_accelerator_tells_the_truth() -> None:
-    """Issue 10, item 7: JAX_PLATFORMS=cuda without CUDA: the problem names the error, the verdict
+    """JAX_PLATFORMS=cuda without CUDA: the problem names the error, the verdict
     says kernels fail (not that they "will compile for cuda")."""
     result = cli("doctor", env={"JAX_PLATFORMS": "cuda"})
     assert result.returncode == _cli.EXIT_PROBLEMS, result.stderr
@@ -140,7 +143,7 @@ def test_doctor_with_an_unavailable_configured_accelerator_tells_the_truth() -> 
 
 
 def test_doctor_ignores_a_dist_info_folder_in_the_working_directory(tmp_path: Path) -> None:
-    """Issue 10, item 7: plugins are looked up where the interpreter loads them from."""
+    """Plugins are looked up where the interpreter loads them from."""
     (tmp_path / "libtpu-9.9.9.dist-info").mkdir()
     result = cli("doctor", "--json", cwd=tmp_path)
     report = json.loads(result.stdout)
@@ -211,3 +214,42 @@ def test_demo_shows_each_policy() -> None:
     assert "raised pallas_guard.PallasGuardError: pallas_guard: Pallas kernel 'add_one_kernel'" in strict
     assert "To fix: set PALLAS_GUARD_POLICY=interpret" in strict
     assert "raised builtins.ValueError: Only interpret mode is supported on CPU backend." in off
+
+
+def test_version_prints_the_installed_version() -> None:
+    from importlib import metadata
+
+    result = cli("--version")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"pallas-guard {metadata.version('pallas_guard')}"
+
+
+def test_doctor_reports_one_bad_variable_once_on_its_own_row() -> None:
+    """The other settings keep their values; the bad one is one row and one problem."""
+    result = cli("doctor", env={POLICY_ENV: "interpret", CHECKS_ENV: "race"})
+    assert result.returncode == _cli.EXIT_PROBLEMS
+    rows = {line.split("  ")[1].strip(): line for line in result.stdout.splitlines() if line.startswith("  ")}
+    assert "interpret (from PALLAS_GUARD_POLICY)" in rows["policy"]
+    assert "auto (from default)" in rows["interpreter"]
+    assert "none (from default)" in rows["max steps"]
+    assert rows["checks"].endswith("INVALID: PALLAS_GUARD_CHECKS='race' (see problems)")
+    assert result.stdout.count("is not a valid pallas_guard") == 1
+    assert "did you mean 'races'?" in result.stdout
+
+
+def test_doctor_escapes_control_characters_from_the_environment() -> None:
+    result = cli("doctor", env={"JAX_PLATFORMS": "cpu\x1b[2J\rforged", POLICY_ENV: "warn\x1b[31m"})
+    assert "\x1b" not in result.stdout and "\r" not in result.stdout
+    assert "cpu\\x1b[2J\\rforged" in result.stdout
+
+
+def test_run_has_an_option_for_every_setting(tmp_path: Path) -> None:
+    """--checks and --max-steps as --policy and --interpreter: every settings row, in its own words."""
+    assert all(f"--{name.replace('_', '-')}" in cli("run", "--help").stdout for name in OPTIONS)
+    child = f"import os; print(os.environ[{CHECKS_ENV!r}], os.environ[{MAX_STEPS_ENV!r}])"
+    result = cli("run", "--checks", "races,bounds", "--max-steps", "64", "--", sys.executable, "-c", child)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["races,bounds", "64"]
+    refused = cli("run", "--max-steps", "1e3", "--", "true")
+    assert refused.returncode == _cli.EXIT_USAGE
+    assert "--max-steps='1e3' is not a valid pallas_guard step budget" in refused.stderr

@@ -174,17 +174,16 @@ print(json.dumps({"outcomes": outcomes, "backends": _internals.backends_initiali
         ("unknown", False),
     ],
 )
-def test_newer_jax_warns_once_and_keeps_working(
+def test_newer_jax_is_a_notice_not_a_warning_and_keeps_working(
     monkeypatch: pytest.MonkeyPatch, xs: jax.Array, version: str, warns: bool
 ) -> None:
+    """A jax past the range is reported by the pytest header and doctor; installing never warns."""
     monkeypatch.setattr(jax, "__version__", version)
-    messages = _install_recording("interpret")
-    newer = [m for m in messages if "newer than the range" in m]
-    assert len(newer) == int(warns), messages
-    if warns:
-        assert f"jax {version} is newer than the range pallas_guard was tested with (jax < 0.13)" in newer[0]
-        pallas_guard.uninstall()
-        assert _install_recording("interpret") == []  # once per process
+    assert _install_recording("interpret") == []
+    notice = _internals.tested_range_notice()
+    assert (notice is not None) == warns
+    if notice is not None:
+        assert notice.startswith(f"jax {version} is newer than the range pallas_guard was tested with (jax < 0.13)")
     # Every layer whose internals are found keeps working: nothing is switched off by version.
     assert pl.pallas_call is not ORIGINAL_PALLAS_CALL
     np.testing.assert_array_equal(add(xs, xs), xs + xs)

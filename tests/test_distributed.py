@@ -8,12 +8,11 @@ kernel runs in both processes. Everything is bounded in time: JAX's own timeouts
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
 
-from conftest import REPO_ROOT
+from conftest import clean_env
 
 WORKER = """
 import json, sys
@@ -47,12 +46,7 @@ def _free_port() -> int:
 
 
 def test_distributed_initialize_after_import_pallas_guard() -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PALLAS_GUARD_", "XLA_FLAGS"))}
-    env.update(
-        PALLAS_GUARD_POLICY="interpret",
-        JAX_PLATFORMS="cpu",
-        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")])),
-    )
+    env = clean_env({"PALLAS_GUARD_POLICY": "interpret", "JAX_PLATFORMS": "cpu", "XLA_FLAGS": None})
     port = _free_port()
     workers = [
         subprocess.Popen(

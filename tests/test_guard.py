@@ -135,7 +135,7 @@ def test_strict_refuses_where_the_kernel_lowers_for_the_cpu(guard: Any, xs: jax.
     assert f"'spying_kernel' (built with pallas_call) (defined at {__file__}:{line_of('def spying_kernel')})" in text
     assert f"called at {__file__}:{line_of('CALL-SITE-STRICT')}" in text
     assert "Why the target is the CPU:" in text
-    assert "PALLAS_GUARD_POLICY=interpret" in text and "interpret=True" in text
+    assert "To fix: call pallas_guard.install('interpret')" in text and "interpret=True" in text  # where it was set
     (record,) = pallas_guard.decisions()
     assert (record.action, record.layer) == ("refused", "lowering")
 
@@ -428,7 +428,6 @@ def test_install_is_idempotent(guard: Any) -> None:
     pallas_guard.install("warn")
     assert pl.pallas_call is wrapper
     assert pallas_guard.get_policy() is pallas_guard.Policy.WARN
-    assert functools.partial  # keep import
     pallas_guard.uninstall()
     pallas_guard.uninstall()
     assert pl.pallas_call is ORIGINAL_PALLAS_CALL

@@ -411,8 +411,7 @@ def test_explain_failure_ignores_unrelated_errors() -> None:
     assert "Mosaic-GPU interpreter" in reason
 
 
-def test_candidates_are_a_frozen_record() -> None:
+def test_auto_without_checks_or_family_is_the_plain_interpreter_alone() -> None:
+    """No family and no checks: the plain interpreter, unverified and unchecked."""
     chosen = _interpreters.candidates(AUTO)
-    assert chosen == _interpreters.PLAIN_ONLY
-    with pytest.raises(AttributeError):
-        chosen.names = ("tpu",)  # type: ignore[misc]
+    assert (chosen.names, chosen.verify, chosen.detect_races, chosen.checked) == (("plain",), False, False, frozenset())

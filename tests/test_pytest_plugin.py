@@ -71,7 +71,6 @@ def tester(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest
         monkeypatch.delenv(name)
     for name, value in environment.items():
         monkeypatch.setenv(name, value)
-    monkeypatch.delenv("PALLAS_INTERPRET", raising=False)  # a policy too (issue 11); tests opt in
     return pytester
 
 
@@ -158,7 +157,7 @@ def test_bad_values_are_usage_errors(tester: pytest.Pytester, ini: str, args: tu
 def test_a_bad_variable_is_a_usage_error_when_the_plugin_acts(
     tester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, env: dict[str, str], args: tuple[str, ...]
 ) -> None:
-    """Issue 10, item 2: exit 4 and one line naming the variable and the value, not a crash."""
+    """Exit 4 and one line naming the variable and the value, not a crash."""
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     tester.makepyfile(test_nothing="def test_nothing():\n    pass\n")
@@ -173,7 +172,7 @@ def test_a_bad_variable_is_a_usage_error_when_the_plugin_acts(
 def test_a_bad_variable_does_not_touch_a_run_the_plugin_has_no_business_in(
     tester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, variable: str
 ) -> None:
-    """Issue 10, item 2: no policy anywhere, so the plugin does not act; the project's tests run."""
+    """No policy anywhere, so the plugin does not act; the project's tests run."""
     monkeypatch.setenv(variable, "bogus")
     tester.makepyfile(test_nothing="def test_nothing():\n    pass\n")
     result = runpytest(tester)
@@ -255,7 +254,7 @@ def test_refused():
     assert "1 Pallas kernel(s): 0 interpreted, 1 refused, 0 left alone; in 1 test(s)" in result.stdout
 
 
-# --- issue 11: step budget, durations, interpret-aware markers -------------------------------------
+# --- step budget, durations, interpret-aware markers -------------------------------------------------
 
 GRID_KERNELS = """
 import time
@@ -472,7 +471,7 @@ def test_second():  # the same call site in add_one; a new shape, so a new lower
 def test_filterwarnings_error_for_the_category_applies_with_the_policy_from_the_plugin(
     tester: pytest.Pytester, policy_from: str
 ) -> None:
-    """Issue 10, item 3: one PallasGuardWarning class per process, so the ini filter matches."""
+    """One PallasGuardWarning class per process, so the ini filter matches."""
     ini = "[pytest]\nfilterwarnings =\n    error::pallas_guard.PallasGuardWarning\n"
     args: tuple[str, ...] = ("--pallas-guard-policy=warn",)
     if policy_from == "ini":
@@ -486,7 +485,7 @@ def test_filterwarnings_error_for_the_category_applies_with_the_policy_from_the_
 
 
 def test_under_error_every_test_through_one_call_site_fails(tester: pytest.Pytester) -> None:
-    """Issue 10, item 3: no once-per-call-site memory of our own; pytest resets the registry per test."""
+    """No once-per-call-site memory of our own; pytest resets the registry per test."""
     tester.makepyfile(test_warned=WARNING_TESTS)
     result = runpytest(tester, "--pallas-guard-policy=warn", "-W", "error::pallas_guard.PallasGuardWarning")
     result.assert_outcomes(failed=2)
@@ -522,7 +521,7 @@ def installed(built_wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
 def test_filterwarnings_error_suite_runs_with_the_autoload_active(
     installed: Path, tmp_path: Path, workers: tuple[str, ...]
 ) -> None:
-    """Issue 10, item 1: pytest marks every top-level module of our wheel for assertion rewriting;
+    """Pytest marks every top-level module of our wheel for assertion rewriting;
     the start-up module it finds already imported must not make it warn (an error here)."""
     (tmp_path / "pytest.ini").write_text("[pytest]\nfilterwarnings =\n    error\n")
     (tmp_path / "test_x.py").write_text(
@@ -555,3 +554,130 @@ def test_kernel():
     assert "PytestAssertRewriteWarning" not in result.stdout + result.stderr
     assert "pallas_guard: policy interpret (from PALLAS_GUARD_POLICY)" in result.stdout
     assert "1 Pallas kernel(s): 1 interpreted (plain: 1), 0 refused, 0 left alone; in 1 test(s)" in result.stdout
+
+
+# --- a quiet session: checks, lists, notices, escapes, advice from where the value came from ---------
+
+BOUNDED = (
+    KERNELS
+    + """
+
+def add_one_in_blocks(x):
+    spec = pl.BlockSpec((2,), lambda i: (i,))
+    return pl.pallas_call(
+        add_one_kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(4,), in_specs=[spec], out_specs=spec
+    )(x)
+"""
+)
+
+
+def _checks_notes_are_recorded() -> bool:
+    """Whether the guard records a check's note on the decision (``Decision.notes``) instead of warning it."""
+    import pallas_guard
+
+    return "notes" in getattr(pallas_guard.Decision, "__dataclass_fields__", {})
+
+
+@pytest.mark.parametrize("where", ["option", "ini"])
+def test_a_check_the_user_asked_for_passes_a_filterwarnings_error_suite(tester: pytest.Pytester, where: str) -> None:
+    """The checks' cost note goes to the summary, once, not into a warning that fails the tests."""
+    if not _checks_notes_are_recorded():
+        pytest.xfail("this guard still warns its checks note (Decision.notes is not there yet)")
+    ini = "pallas_guard_checks = bounds\n" if where == "ini" else ""
+    tester.makefile(".ini", pytest=f"[pytest]\nfilterwarnings = error\npallas_guard_policy = interpret\n{ini}")
+    body = "\n\ndef test_{0}():\n    assert float(add_one(X + {0})[0]) == {0} + 1.0\n"
+    tests = KERNELS + "".join(body.format(n) for n in range(3))
+    tester.makepyfile(test_checked=tests)
+    result = runpytest(tester, *(["--pallas-guard-checks=bounds"] if where == "option" else []))
+    result.assert_outcomes(passed=3)
+    result.stdout.fnmatch_lines(["3 Pallas kernel(s): 3 interpreted*", "note (3 kernel(s)): *"])
+    assert sum(line.startswith("note (") for line in result.outlines) == 1
+
+
+@pytest.mark.parametrize("table", ["tool.pytest.ini_options", "tool.pytest"])
+def test_a_toml_list_of_checks_is_accepted_under_filterwarnings_error(tester: pytest.Pytester, table: str) -> None:
+    if table == "tool.pytest" and int(pytest.__version__.split(".")[0]) < 9:
+        pytest.skip("[tool.pytest] (native TOML) needs pytest >= 9")
+    tester.makefile(
+        ".toml",
+        pyproject=f'[{table}]\nfilterwarnings = ["error"]\npallas_guard_policy = "interpret"\n'
+        'pallas_guard_checks = ["races", "bounds"]\n',
+    )
+    tester.makepyfile(test_nothing="def test_nothing():\n    pass\n")
+    result = runpytest(tester)
+    assert result.ret == pytest.ExitCode.OK, result.stdout.str() + result.stderr.str()
+    result.stdout.fnmatch_lines(["pallas_guard: *checks races,bounds (from pallas_guard_checks in pyproject.toml)*"])
+
+
+def test_a_jax_past_the_tested_range_is_a_header_notice_not_a_configure_time_warning(tester: pytest.Pytester) -> None:
+    """The notice concerns the installation: under filterwarnings = error the session still runs."""
+    tester.makeconftest(
+        "import jax\njax.__version__ = '0.13.0'\nimport jax.experimental.pallas  # patched while pytest configures\n"
+    )
+    tester.makefile(".ini", pytest="[pytest]\nfilterwarnings = error\npallas_guard_policy = interpret\n")
+    tester.makepyfile(test_kernel=KERNELS + "\n\ndef test_it():\n    assert float(add_one(X)[1]) == 2.0\n")
+    result = runpytest(tester)
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["pallas_guard: notice: jax 0.13.0 is newer than the range pallas_guard was tested*"])
+    assert "warning" not in result.outlines[-1]
+
+
+def test_control_characters_in_a_kernel_name_reach_the_summary_escaped(tester: pytest.Pytester) -> None:
+    tester.makepyfile(
+        test_named=KERNELS
+        + """
+
+def test_named():
+    call = pl.pallas_call(
+        add_one_kernel, out_shape=jax.ShapeDtypeStruct(X.shape, X.dtype), name="k\\x1b[2K\\rFORGED 0 failed"
+    )
+    assert float(call(X)[0]) == 1.0
+"""
+    )
+    result = runpytest(tester, "--pallas-guard-policy=interpret", "--pallas-guard-details")
+    result.assert_outcomes(passed=1)
+    text = result.stdout.str()
+    assert "\x1b[2K" not in text and "\rFORGED" not in text
+    assert "k\\x1b[2K\\rFORGED 0 failed" in text
+
+
+def test_warn_advice_names_the_option_that_set_the_policy(tester: pytest.Pytester) -> None:
+    """Under --pallas-guard-policy=warn, setting the variable cannot win: the advice names the option."""
+    tester.makepyfile(test_warned=KERNELS + "\n\ndef test_it():\n    assert float(add_one(X)[0]) == 1.0\n")
+    result = runpytest(tester, "--pallas-guard-policy=warn", "-W", "default")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(
+        ["*To silence: pass --pallas-guard-policy=interpret; to fail instead: pass --pallas-guard-policy=strict*"]
+    )
+    assert "PALLAS_GUARD_POLICY=interpret" not in result.stdout.str()
+
+
+@pytest.mark.parametrize(
+    ("ini", "marker", "source", "advice"),
+    [
+        (
+            "pallas_guard_max_steps = 2\n",
+            "",
+            "pallas_guard_max_steps in pytest.ini",
+            "set pallas_guard_max_steps = 4 in pytest.ini",
+        ),
+        (
+            "",
+            "@pytest.mark.pallas_guard(max_steps=2)\n",
+            "@pytest.mark.pallas_guard on test_budget.py::test_it",
+            "use @pytest.mark.pallas_guard(max_steps=4)",
+        ),
+    ],
+    ids=["ini", "marker"],
+)
+def test_the_step_budget_error_names_the_setting_that_set_it(
+    tester: pytest.Pytester, ini: str, marker: str, source: str, advice: str
+) -> None:
+    tester.makefile(".ini", pytest=f"[pytest]\npallas_guard_policy = interpret\n{ini}")
+    tester.makepyfile(test_budget=BOUNDED + f"\n\n{marker}def test_it():\n    add_one_in_blocks(X)\n")
+    result = runpytest(tester, "--tb=short")
+    result.assert_outcomes(failed=1)
+    text = result.stdout.str()
+    assert f"more than the step budget of 2 (from {source})" in text
+    assert f"raise the budget: {advice}" in text
+    assert "policy() scope" not in text

@@ -110,7 +110,7 @@ def test_each_setting_has_its_own_source(monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 def test_a_bare_install_keeps_values_given_through_the_api(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Issue 10, item 4: the variable applies until the API sets a value, then no more."""
+    """The variable applies until the API sets a value, then no more."""
     monkeypatch.setenv(POLICY_ENV, "warn")
     pallas_guard.set_policy("strict")
     pallas_guard.install()
@@ -134,7 +134,7 @@ print(_install.status().requested, _settings.current_policy().source)
 
 
 def test_set_policy_survives_a_bare_install_and_a_reload_in_a_fresh_process() -> None:
-    """Issue 10, item 4: neither resets a set_policy() to the environment's value."""
+    """Neither resets a set_policy() to the environment's value."""
     result = run_python(RELOAD, env={POLICY_ENV: "warn"})
     assert result.stdout.splitlines()[:2] == ["bare install(): strict", "reload: strict"], result.stderr
     assert result.returncode == 0, result.stderr
@@ -150,7 +150,7 @@ def test_a_bad_variable_makes_the_api_raise_naming_it(monkeypatch: pytest.Monkey
 
 
 def test_a_look_alike_value_is_printed_escaped() -> None:
-    """Issue 10, item 7: 'warn' with a Cyrillic omega for the w, beside the accepted 'warn', must look different."""
+    """'warn' with a Cyrillic omega for the w, beside the accepted 'warn', must look different."""
     result = run_python("import pallas_guard", env={POLICY_ENV: "\u0461arn"})
     last_line = result.stderr.strip().splitlines()[-1]
     assert last_line.startswith("pallas_guard.PallasGuardConfigError: PALLAS_GUARD_POLICY='\\u0461arn' is not")
@@ -306,3 +306,106 @@ def test_scope_is_asyncio_task_local() -> None:
         return list(await asyncio.gather(*(task(p) for p in Policy)))
 
     assert asyncio.run(main()) == list(Policy)
+
+
+# --- integers, near misses, one error class -------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("raw", "shown"),
+    [
+        ("\u00b2", r"'\xb2'"),  # a superscript two: str.isdigit() says yes, int() says no
+        ("9" * 5000, "'" + "9" * 40 + "'... (5000 characters)"),  # past int()'s 4300-digit limit
+        ("1e3", "'1e3'"),
+        ("\uff11", r"'\uff11'"),  # a fullwidth one, which int() would take
+        ("1_000", "'1_000'"),
+        ("+5", "'+5'"),
+        ("0", "'0'"),
+        ("-3", "'-3'"),
+    ],
+)
+def test_every_integer_setting_refuses_what_is_not_plain_digits(
+    monkeypatch: pytest.MonkeyPatch, raw: str, shown: str
+) -> None:
+    monkeypatch.setenv(MAX_STEPS_ENV, raw)
+    with pytest.raises(PallasGuardConfigError) as error:
+        read_environment()
+    assert str(error.value).startswith(f"{MAX_STEPS_ENV}={shown} is not a valid pallas_guard step budget; ")
+
+
+@pytest.mark.parametrize(
+    ("value", "named"),
+    [pytest.param(10**5000, "an int of 16610 bits", id="10**5000"), (-1, "-1"), ("1e3", "'1e3'"), (True, None)],
+)
+def test_install_refuses_an_integer_it_cannot_take_naming_the_argument(value: object, named: str | None) -> None:
+    if named is None:  # a bool is not an int here
+        with pytest.raises(TypeError, match=r"install\(max_steps=\.\.\.\) must be a str or int, got bool"):
+            pallas_guard.install(max_steps=value)  # type: ignore[arg-type]
+        return
+    with pytest.raises(PallasGuardConfigError) as error:
+        pallas_guard.install(max_steps=value)  # type: ignore[arg-type]
+    assert str(error.value).startswith(f"install(max_steps=...)={named} is not a valid pallas_guard step budget")
+
+
+@pytest.mark.parametrize(
+    ("name", "typo", "meant"),
+    [
+        ("policy", "intepret", "interpret"),
+        ("policy", "Stirct", "strict"),
+        ("interpreter", "tpuu", "tpu"),
+        ("checks", "race", "races"),
+        ("checks", "races,bound", "races,bounds"),
+    ],
+)
+def test_a_near_miss_names_the_closest_valid_value(name: str, typo: str, meant: str) -> None:
+    with pytest.raises(PallasGuardConfigError) as error:
+        OPTIONS[name].parse(typo, OPTIONS[name].env)
+    assert str(error.value).endswith(f"; did you mean {meant!r}?")
+
+
+def test_nothing_close_suggests_nothing() -> None:
+    with pytest.raises(PallasGuardConfigError) as error:
+        OPTIONS["policy"].parse("zzzzzz", POLICY_ENV)
+    assert "did you mean" not in str(error.value)
+
+
+def test_reloading_the_autoload_keeps_the_one_error_class_pallas_guard_catches() -> None:
+    result = run_python(
+        """
+        import importlib, pallas_guard, pallas_guard_autoload
+        before = pallas_guard.PallasGuardConfigError
+        importlib.reload(pallas_guard_autoload)
+        try:
+            pallas_guard_autoload.OPTIONS["policy"].parse("loud", "x")
+        except pallas_guard.PallasGuardConfigError:
+            print("caught", pallas_guard_autoload.PallasGuardConfigError is before)
+        """
+    )
+    assert result.stdout.split() == ["caught", "True"], result.stderr
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "source", "advice"),
+    [
+        ("policy", "interpret", POLICY_ENV, "set PALLAS_GUARD_POLICY=interpret"),
+        ("policy", "interpret", PALLAS_INTERPRET_ENV, "set PALLAS_GUARD_POLICY=interpret"),  # wins over the alias
+        ("policy", "interpret", "default", "set PALLAS_GUARD_POLICY=interpret"),
+        ("policy", "strict", "--pallas-guard-policy", "pass --pallas-guard-policy=strict"),
+        (
+            "max_steps",
+            64,
+            "pallas_guard_max_steps in pyproject.toml",
+            "set pallas_guard_max_steps = 64 in pyproject.toml (or pass --pallas-guard-max-steps=64)",
+        ),
+        ("max_steps", 64, "@pytest.mark.pallas_guard on t.py::test", "use @pytest.mark.pallas_guard(max_steps=64)"),
+        ("policy", "warn", "@pytest.mark.pallas_guard on t.py::test", "use @pytest.mark.pallas_guard('warn')"),
+        ("checks", "none", "pallas_guard.policy() scope", "use pallas_guard.policy(checks='none')"),
+        ("interpreter", "tpu", "install(interpreter=...)", "call pallas_guard.install(interpreter='tpu')"),
+        ("policy", "interpret", "set_policy()", "call pallas_guard.set_policy('interpret')"),
+        ("checks", frozenset({"bounds", "races"}), CHECKS_ENV, "set PALLAS_GUARD_CHECKS=races,bounds"),
+    ],
+)
+def test_advice_is_phrased_for_the_surface_that_set_the_value(
+    name: str, value: object, source: str, advice: str
+) -> None:
+    assert _settings.how_to_set(name, value, source) == advice

@@ -1,13 +1,15 @@
 """Bad input refused: any string for a setting is either a valid value or the documented error.
 
-The documented shape (README, "Settings"): ``PallasGuardConfigError`` (a ``ValueError``) saying
+The documented shape (docs/how-it-decides.md, "Settings"): ``PallasGuardConfigError`` (a ``ValueError``) saying
 ``<source>=<ascii(value)> is not a valid pallas_guard <kind>; accepted values (case-insensitive): ...``,
+then ``; did you mean '<the closest accepted value>'?`` where one is close,
 and ``TypeError`` naming the argument for a value of the wrong type. Never another exception,
 never a silent default. (An empty or blank variable counts as unset, as documented.)
 """
 
 from __future__ import annotations
 
+import difflib
 import os
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -31,9 +33,10 @@ def _accepted(enum_cls: type[Policy] | type[Interpreter]) -> str:
 
 
 def _documented_message(source: str, value: str, enum_cls: type[Policy] | type[Interpreter], kind: str) -> str:
+    near = difflib.get_close_matches(value.strip().lower(), [member.value for member in enum_cls], n=1)
     return (
         f"{source}={value!a} is not a valid pallas_guard {kind}; "
-        f"accepted values (case-insensitive): {_accepted(enum_cls)}"
+        f"accepted values (case-insensitive): {_accepted(enum_cls)}" + (f"; did you mean {near[0]!r}?" if near else "")
     )
 
 
@@ -224,9 +227,11 @@ def test_detect_races_is_a_strict_boolean(value: str) -> None:
         return
     with pytest.raises(PallasGuardConfigError) as error:
         option.from_environment({DETECT_RACES_ENV: value})
+    near = difflib.get_close_matches(word, ["1", "true", "yes", "on", "0", "false", "no", "off"], n=1)
     assert str(error.value) == (
         f"{DETECT_RACES_ENV}={value!a} is not a valid pallas_guard boolean; "
         f"accepted values (case-insensitive): {option.alias.accepted}"
+        + (f"; did you mean {near[0]!r}?" if near else "")
     )
 
 

@@ -41,7 +41,7 @@ def _distribution(directory: Path, name: str, version: str | None) -> None:
 def test_a_dist_info_folder_in_the_working_directory_is_no_plugin(
     fresh_lookup: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Issue 10, item 7: `python -c`/`-m` put the working directory on sys.path; a folder there is
+    """`python -c`/`-m` put the working directory on sys.path; a folder there is
     no plugin JAX would load."""
     _distribution(tmp_path, "libtpu", "9.9.9")
     monkeypatch.chdir(tmp_path)
@@ -62,7 +62,7 @@ def test_a_plugin_where_packages_are_installed_is_found(
 
 
 def test_a_strict_error_does_not_claim_a_plugin_from_the_working_directory(tmp_path: Path) -> None:
-    """Issue 10, item 7, as a user meets it: an empty libtpu-9.9.9.dist-info beside the script."""
+    """As a user meets it: an empty libtpu-9.9.9.dist-info beside the script."""
     (tmp_path / "libtpu-9.9.9.dist-info").mkdir()
     result = run_python(STRICT_KERNEL, env={"PALLAS_GUARD_POLICY": "strict", "JAX_PLATFORMS": "cpu"}, cwd=tmp_path)
     assert result.returncode == 1

@@ -1,5 +1,5 @@
 """Kernels from libraries pallas_guard has never seen, called through their public APIs on this CPU
-with no ``interpret=`` anywhere (issue 9's reproductions). Run by ``.ci/run``'s ``thirdparty`` entry,
+with no ``interpret=`` anywhere (as a user calls them). Run by ``.ci/run``'s ``thirdparty`` entry,
 which installs ``tests/thirdparty/requirements.txt``; skipped where those libraries are missing.
 
 The user's line is the one that calls the library's API (in these scripts, inside a lambda).
@@ -11,13 +11,13 @@ hand), the decisions name the interpreter and the script's own line, and ``stric
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from conftest import clean_env
 
 pytest.importorskip("qwix")
 pytest.importorskip("tokamax")
@@ -98,8 +98,7 @@ print("REPORT " + json.dumps({
 def _run(case: str, policy: str, tmp_path: Path) -> tuple[subprocess.CompletedProcess[str], Path]:
     script = tmp_path / "users_script.py"
     script.write_text(textwrap.dedent(SETUP) + textwrap.dedent(CASES[case]) + textwrap.dedent(REPORT))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PALLAS_GUARD_")}
-    env.update(JAX_PLATFORMS="cpu", PALLAS_GUARD_POLICY=policy)
+    env = clean_env({"JAX_PLATFORMS": "cpu", "PALLAS_GUARD_POLICY": policy})
     # The autoload activates the guard when it is installed; otherwise the script imports it first.
     command = [
         sys.executable,
