@@ -98,7 +98,7 @@ class Run:
         if known is None:
             value = interpret_value(name, c)
             if value is None:  # plain: the kernel as built, the net substitutes the interpreter
-                built = self.kernel.build(self.kernel.kwargs.get("interpret", False))
+                built = self.kernel.build()
             else:
                 self.ledger.mark_injected(value)
                 built = self.kernel.build(value)

@@ -72,11 +72,13 @@ class Kernel:
         except _Unstable:
             return None
 
-    def build(self, interpret: Any) -> Any:
+    def build(self, interpret: Any = None) -> Any:
         """This kernel as the entry point builds it with ``interpret`` (its compiler_params adjusted
-        for the interpreter); a decorator form is applied to its body (for ``core_map``: run)."""
+        for the interpreter; None: as the user built it); a decorator form is applied to its body
+        (for ``core_map``: run)."""
         kwargs = dict(self.kwargs)
-        kwargs["interpret"] = interpret
+        if interpret is not None:
+            kwargs["interpret"] = interpret
         if _internals.interpreter_of(interpret) == "tpu" and self.facts.family in ("triton", "mosaic_gpu"):
             # TPU interpret mode accepts only TPU compiler_params; these are hints for another compiler.
             kwargs["compiler_params"] = None
