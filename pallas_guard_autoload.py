@@ -39,6 +39,8 @@ DETECT_RACES_ENV = "PALLAS_GUARD_DETECT_RACES"
 """``1``: the older spelling of ``PALLAS_GUARD_CHECKS=races``."""
 MAX_STEPS_ENV = "PALLAS_GUARD_MAX_STEPS"
 """The most grid steps an interpreted kernel may run."""
+DEVICE_ENV = "PALLAS_GUARD_DEVICE"
+"""The TPU/GPU that host code asking "which accelerator am I on?" is told, where the guard interprets."""
 PALLAS_INTERPRET_ENV = "PALLAS_INTERPRET"
 """Read by other Pallas projects: truthy means policy ``interpret`` when ``PALLAS_GUARD_POLICY`` is unset."""
 PALLAS_MODULE = "jax.experimental.pallas"
@@ -252,6 +254,31 @@ POLICIES = {
 }
 """Each policy and what it does to a Pallas kernel that would lower for the CPU without interpret=."""
 
+DEVICES = {
+    # short name: (JAX's device kind, cores, platform). TPU cores are TensorCores per chip; a GPU's
+    # are its SMs, 8 as in JAX's own interpret tests: the Mosaic-GPU interpreter simulates each one.
+    "tpu-v4": ("TPU v4", 2, "tpu"),
+    "tpu-v5e": ("TPU v5 lite", 1, "tpu"),
+    "tpu-v5p": ("TPU v5p", 2, "tpu"),
+    "tpu-v6e": ("TPU v6 lite", 1, "tpu"),
+    "tpu7x": ("TPU7x", 2, "tpu"),
+    "a100": ("NVIDIA A100-SXM4-80GB", 8, "gpu"),
+    "h100": ("NVIDIA H100 80GB HBM3", 8, "gpu"),
+    "h200": ("NVIDIA H200", 8, "gpu"),
+    "b200": ("NVIDIA B200", 8, "gpu"),
+}
+"""The devices ``PALLAS_GUARD_DEVICE`` accepts: a short name, or JAX's own device kind for it."""
+_DEVICE_WORDS = {**{name: name for name in DEVICES}, **{kind.lower(): name for name, (kind, _, _) in DEVICES.items()}}
+_DEVICE_WORDS.update({"tpu v5e": "tpu-v5e", "tpu v5": "tpu-v5p", "tpu v6e": "tpu-v6e", "tpu-v7x": "tpu7x"})
+
+
+def _device(word: str) -> "str | None":
+    return _NONE if word == "none" else _DEVICE_WORDS.get(word)
+
+
+_NONE = "none"
+"""The device setting's "no device" (a str: None means "not accepted" to the parsers)."""
+
 OPTIONS = {
     option.name: option
     for option in (
@@ -313,6 +340,22 @@ OPTIONS = {
                 f"the older spelling of {CHECKS_ENV}=races",
                 vocabulary=_BOOLEAN_WORDS,
             ),
+        ),
+        Option(
+            "device",
+            DEVICE_ENV,
+            "device",
+            _device,
+            "'none', " + ", ".join(map(repr, DEVICES)) + ", or JAX's device kind for one of them ('TPU v5 lite', "
+            "'NVIDIA H100 80GB HBM3', ...)",
+            _NONE,
+            "the TPU/GPU that host code asking which accelerator it runs on is told (JAX's abstract device), "
+            "where the target is the CPU and the guard interprets",
+            meanings={
+                "none": "host code sees the CPU it runs on",
+                **{name: f"host code sees a {kind} ({cores} cores)" for name, (kind, cores, _) in DEVICES.items()},
+            },
+            vocabulary=("none", *DEVICES),
         ),
         Option(
             "max_steps",

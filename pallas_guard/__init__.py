@@ -9,11 +9,12 @@ PYTEST_DONT_REWRITE (nothing to rewrite here; pytest would warn if we were impor
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator
 
 from pallas_guard_autoload import PallasGuardConfigError
 
-from . import _errors, _install, _record, _settings
+from . import _device, _errors, _install, _record, _settings
 from ._enums import Interpreter, Policy
 from ._errors import PallasGuardError, PallasGuardWarning
 from ._install import install, uninstall
@@ -48,6 +49,8 @@ def set_policy(policy: Policy | str) -> None:
     """
     source = "set_policy()"
     _settings.pin("policy", _settings.Setting(_settings.parse("policy", policy, "set_policy(policy)"), source))
+    if _install.installation.active:
+        _device.apply()  # a device is presented only while the guard interprets
 
 
 def policy(
@@ -56,16 +59,28 @@ def policy(
     interpreter: Interpreter | str | None = None,
     checks: str | Iterable[str] | None = None,
     max_steps: int | str | None = None,
+    device: str | None = None,
 ) -> _settings.AbstractContextManager[None]:
     """Override settings inside a ``with`` block; thread- and task-local.
 
     ``checks``: ``"races"``, ``"bounds"`` (a comma list or an iterable), ``"all"`` or ``"none"``;
-    ``max_steps``: the most grid steps an interpreted kernel may run. Bad values raise here, before
-    the block. Settings apply when a function is traced: a function jitted before the block keeps
-    its executable (``jax.clear_caches()`` to re-trace).
+    ``max_steps``: the most grid steps an interpreted kernel may run; ``device``: the TPU/GPU host
+    code is told it runs on (``"tpu-v5e"``, ``"h100"``, ... or ``"none"``). Bad values raise here,
+    before the block. Settings apply where a kernel is called and lowered: a function jitted before
+    the block keeps its executable (``jax.clear_caches()`` to re-trace).
     """
-    given = {"policy": policy, "interpreter": interpreter, "checks": checks, "max_steps": max_steps}
-    return _settings.scope(_settings.given(given, call="policy", source="pallas_guard.policy() scope"))
+    given = {"policy": policy, "interpreter": interpreter, "checks": checks, "max_steps": max_steps, "device": device}
+    return _scope(_settings.given(given, call="policy", source="pallas_guard.policy() scope"))
+
+
+@contextlib.contextmanager
+def _scope(overrides: dict[str, _settings.Setting[object]]) -> Iterator[None]:
+    with _settings.scope(overrides):
+        if not _install.installation.active:
+            yield
+            return
+        with _device.scoped():
+            yield
 
 
 def decisions() -> list[Decision]:

@@ -31,9 +31,10 @@ _NEVER_RETRIED = (MemoryError, RecursionError)
 """Failures of the machine, not of an interpreter: they propagate and pin nothing."""
 
 
-def interpret_value(name: str, candidates: _interpreters.Candidates) -> Any:
+def interpret_value(name: str, candidates: _interpreters.Candidates, *, cores: int | None = None) -> Any:
     """The ``interpret=`` value that runs a kernel in interpreter ``name``; None for plain (the
-    lowering net substitutes ``True``), or when this jax lacks that interpreter."""
+    lowering net substitutes ``True``), or when this jax lacks that interpreter. ``cores``: those
+    of the TPU device set, which TPU interpret mode then simulates per device."""
     if name == "plain":
         return None
     cls = _internals.tpu_params_class() if name == "tpu" else _internals.gpu_params_class()
@@ -50,6 +51,8 @@ def interpret_value(name: str, candidates: _interpreters.Candidates) -> Any:
         overrides.update(detect_races=True, on_race="warn")
     if "bounds" in candidates.checked:
         overrides["out_of_bounds_reads"] = "raise"  # the default today; explicit, as it is asked for
+    if name == "tpu" and cores is not None:
+        overrides["num_cores_or_threads"] = cores
     # Only the fields this jax's class has (dma_execution_mode, on_race, ... vary by version).
     fields = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set(overrides)
     return cls(**{k: v for k, v in overrides.items() if k in fields})
@@ -79,8 +82,10 @@ class Run:
         policy: _settings.Setting[Policy],
         call_site: _diagnostics.CallSite,
         ledger: Ledger,
+        tpu_cores: int | None = None,
     ) -> None:
         assert plan.candidates is not None
+        self.tpu_cores = tpu_cores
         self.kernel, self.plan, self.target, self.policy = kernel, plan, target, policy
         self.candidates = plan.candidates
         self.call_site, self.ledger = call_site, ledger
@@ -92,11 +97,11 @@ class Run:
         """(the kernel built for interpreter ``name``, its ``interpret=`` value); one object per
         kernel, interpreter and settings, so the net recognises what the front door injected."""
         c = self.candidates
-        key = (name, c.detect_races, c.checked, c.eager_dmas)
+        key = (name, c.detect_races, c.checked, c.eager_dmas, self.tpu_cores)
         with self.kernel.lock:
             known = self.kernel.variants.get(key)
         if known is None:
-            value = interpret_value(name, c)
+            value = interpret_value(name, c, cores=self.tpu_cores)
             if value is None:  # plain: the kernel as built, the net substitutes the interpreter
                 built = self.kernel.build()
             else:
@@ -112,7 +117,8 @@ class Run:
         """The variant for ``name`` under ``jax.jit``: its trial lowering is kept for the real call."""
         import jax
 
-        key = ("jit", name, self.candidates.detect_races, self.candidates.checked, self.candidates.eager_dmas)
+        c = self.candidates
+        key = ("jit", name, c.detect_races, c.checked, c.eager_dmas, self.tpu_cores)
         with self.kernel.lock:
             known = self.kernel.variants.get(key)
         if known is None:

@@ -16,7 +16,7 @@ import operator
 from collections.abc import Callable
 from typing import Any
 
-from . import _act, _diagnostics, _engine, _internals, _interpreters, _plan, _settings, _target
+from . import _act, _device, _diagnostics, _engine, _internals, _interpreters, _plan, _settings, _target
 from ._entry_points import EntryPoint
 from ._kernel import Kernel
 from ._ledger import Guarding
@@ -110,7 +110,16 @@ def at_call(
             grid=kernel.grid,
             budget=budget,
         )
-    run = _engine.Run(kernel, plan, target=target, policy=policy, call_site=call_site, ledger=installation.ledger)
+    device = _settings.current("device").value
+    run = _engine.Run(
+        kernel,
+        plan,
+        target=target,
+        policy=policy,
+        call_site=call_site,
+        ledger=installation.ledger,
+        tpu_cores=_device.cores(device) if _device.platform(device) == "tpu" else None,
+    )
     return run(args, kwargs)
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import pallas_guard_autoload
 
-from . import _settings
+from . import _device, _settings
 from ._entry_points import ENTRY_POINTS, MODULES, EntryPoint
 from ._enums import Interpreter, Policy
 from ._ledger import Ledger
@@ -82,6 +82,7 @@ class Installation:
         finder = pallas_guard_autoload.finder()
         for module_name in MODULES:
             finder.register(module_name, self._on_import)
+        _device.apply()  # where jax is imported already; else when Pallas is
 
     def uninstall(self) -> None:
         with self.lock:
@@ -109,6 +110,7 @@ class Installation:
                     if entry.module == module.__name__:
                         self._wrap_entry_point(module, entry)
                 self._install_lowering_net()
+                _device.apply()
             except Exception as error:  # the user's import must not fail because of us
                 self.failure = f"{type(error).__name__}: {error}"
                 self._undo_locked()
@@ -120,6 +122,7 @@ class Installation:
     def _undo_locked(self) -> None:
         self.active = False
         self.ledger.clear()
+        _device.undo()
         while self.patches:
             self.patches.pop().restore()
         while self.rules:
@@ -190,6 +193,7 @@ def install(
     interpreter: Interpreter | str | None = None,
     checks: str | Iterable[str] | None = None,
     max_steps: int | str | None = None,
+    device: str | None = None,
 ) -> None:
     """Install the guard (idempotent). Settings not given keep a value set earlier through the API,
     else come from the ``PALLAS_GUARD_*`` variables.
@@ -197,7 +201,7 @@ def install(
     Raises ``PallasGuardConfigError`` (a ``ValueError``) for a bad variable or argument value and
     ``TypeError`` for an argument of the wrong type, before changing anything.
     """
-    given = {"policy": policy, "interpreter": interpreter, "checks": checks, "max_steps": max_steps}
+    given = {"policy": policy, "interpreter": interpreter, "checks": checks, "max_steps": max_steps, "device": device}
     installation.install(_settings.given(given, call="install"))
 
 

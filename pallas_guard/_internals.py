@@ -311,6 +311,18 @@ def lowering_frames(ctx: Any) -> list[tuple[str, int]]:
     return [] if frame is None else [(frame.file_name, frame.start_line)]
 
 
+def abstract_mesh_config() -> Any | None:
+    """JAX's config state of the current abstract mesh (``get_global``/``set_global``/``value``),
+    where jax is imported: ``jax._src.mesh`` from 0.12, ``jax._src.config`` before."""
+    if "jax" not in sys.modules:
+        return None
+    for module_name in ("jax._src.mesh", "jax._src.config"):
+        holder = getattr(import_optional(module_name), "abstract_mesh_context_manager", None)
+        if holder is not None and hasattr(holder, "set_global"):
+            return holder
+    return None
+
+
 def is_state_ref(value: object) -> bool:
     """Whether ``value`` is a JAX state ref (a ``Ref``, or a tracer of one inside ``run_state``)."""
     aval = getattr(value, "aval", None)

@@ -1,0 +1,141 @@
+"""The target device: host code that asks which TPU/GPU it runs on is told the device set.
+
+Much Pallas host code asks, before any kernel is built, which accelerator it runs on (TPU info, a
+TPU core mesh's core count, tiling, a GPU's architecture or SM count). On a CPU that fails. JAX's
+own answer is an abstract device on the current abstract mesh, which all of those consult; with a
+``device`` set, the guard provides one, wherever the target is the CPU and the guard interprets
+(policy ``interpret`` or ``warn``): process-wide as the abstract mesh's global value, in a
+``policy()`` scope (and a pytest marker) as a scoped one. A mesh or abstract mesh of the user's own
+always wins: the guard never replaces one. Nothing else changes: ``jax.devices()``, shardings and
+``jax.jit`` programs with the user's own ``Mesh`` do not consult an empty abstract mesh's device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from pallas_guard_autoload import DEVICES
+
+from . import _internals, _settings, _target
+from ._enums import Policy
+
+
+def abstract_device(name: str) -> Any:
+    """JAX's ``AbstractDevice`` for a device short name (jax < 0.10 takes no platform)."""
+    import jax
+
+    kind, cores, platform = DEVICES[name]
+    try:
+        return jax.sharding.AbstractDevice(kind, cores, platform)
+    except TypeError:
+        return jax.sharding.AbstractDevice(kind, cores)  # type: ignore[call-arg]
+
+
+def _abstract_mesh(name: str) -> Any:
+    import jax
+
+    return jax.sharding.AbstractMesh((), (), abstract_device=abstract_device(name))
+
+
+def cores(name: str | None) -> int | None:
+    """The cores of the device set (TPU interpret mode simulates as many per device), or None."""
+    return DEVICES[name][1] if name in DEVICES else None
+
+
+def platform(name: str | None) -> str | None:
+    return DEVICES[name][2] if name in DEVICES else None
+
+
+def wanted() -> str | None:
+    """The device to present here, or None: a device is set, the guard interprets, and the target
+    is the CPU (configured, or unknown with no accelerator plugin to lower for)."""
+    try:
+        device = _settings.current("device").value
+        policy = _settings.current_policy().value
+    except (ValueError, TypeError):  # a bad variable: the first kernel raises it, naming it
+        return None
+    if device not in DEVICES or policy not in (Policy.INTERPRET, Policy.WARN):
+        return None
+    target = _target.detect().platform
+    if target == "cpu" or (target is None and not _target.installed_accelerator_plugins()):
+        return str(device)
+    return None
+
+
+def _free(mesh: Any) -> bool:
+    """Whether ``mesh`` (an abstract mesh value) is nobody's: empty, with no device of its own."""
+    return mesh is None or (bool(getattr(mesh, "empty", False)) and getattr(mesh, "abstract_device", None) is None)
+
+
+class _Process:
+    """The process-wide abstract mesh the guard set, and what it replaced."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.ours: Any = None
+        self.previous: Any = None
+        self.device: str | None = None
+
+
+_process = _Process()
+
+
+def apply() -> None:
+    """Make the process-wide abstract mesh say the device wanted now (install, a new process policy,
+    ``jax.experimental.pallas`` imported); a global mesh of the user's own is left alone."""
+    holder = _internals.abstract_mesh_config()
+    if holder is None:
+        return
+    device = wanted()
+    with _process.lock:
+        if device == _process.device:
+            return
+        current = holder.get_global()
+        if _process.ours is not None and current is _process.ours:
+            holder.set_global(_process.previous)
+            current = _process.previous
+        _process.ours = _process.previous = _process.device = None
+        if device is not None and _free(current):
+            _process.ours, _process.previous, _process.device = _abstract_mesh(device), current, device
+            holder.set_global(_process.ours)
+
+
+def undo() -> None:
+    """Put back what the guard replaced (uninstall)."""
+    holder = _internals.abstract_mesh_config()
+    with _process.lock:
+        if holder is not None and _process.ours is not None and holder.get_global() is _process.ours:
+            holder.set_global(_process.previous)
+        _process.ours = _process.previous = _process.device = None
+
+
+@contextlib.contextmanager
+def scoped() -> Iterator[None]:
+    """Inside a ``policy()`` scope: the device its settings want, where no mesh of the user's is in
+    force; the process-wide one taken away where they want none (``strict``, ``device="none"``)."""
+    holder = _internals.abstract_mesh_config()
+    if holder is None:
+        yield
+        return
+    import jax
+
+    device = wanted()
+    current = holder.value
+    ours = _process.ours is not None and current is _process.ours
+    if device is not None and (_free(current) or ours) and device != (_process.device if ours else None):
+        with jax.sharding.use_abstract_mesh(_abstract_mesh(device)):
+            yield
+    elif device is None and ours:
+        with jax.sharding.use_abstract_mesh(_process.previous or _empty_mesh()):
+            yield
+    else:
+        yield
+
+
+def _empty_mesh() -> Any:
+    import jax
+
+    return jax.sharding.AbstractMesh((), ())

@@ -1,0 +1,160 @@
+"""The ``device`` setting: host code that asks which TPU/GPU it runs on is told the device set
+(JAX's abstract device), where the target is the CPU and the guard interprets; nothing else
+changes, and a mesh of the user's own always wins."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import run_python
+from jax.experimental.pallas import tpu as pltpu
+
+import pallas_guard
+from pallas_guard import _engine, _interpreters
+
+
+def _device_kind() -> str | None:
+    device = jax.sharding.get_abstract_mesh().abstract_device
+    return None if device is None else str(device.device_kind)
+
+
+def test_a_device_is_told_where_the_guard_interprets_for_the_cpu(guard: Callable[..., None]) -> None:
+    guard("interpret", device="tpu-v5e")
+    assert _device_kind() == "TPU v5 lite"
+    mesh = pltpu.create_tensorcore_mesh("core")  # asks the device for its core count
+    assert mesh.shape["core"] == 1
+    pallas_guard.uninstall()
+    assert _device_kind() is None
+
+
+@pytest.mark.parametrize("policy", ["strict", "off"])
+def test_no_device_under_strict_or_off(guard: Callable[..., None], policy: str) -> None:
+    guard(policy, device="tpu-v5e")
+    assert _device_kind() is None
+
+
+def test_none_and_an_unset_device_change_nothing(guard: Callable[..., None]) -> None:
+    guard("interpret")
+    assert _device_kind() is None
+    guard("interpret", device="none")
+    assert _device_kind() is None
+
+
+def test_a_scope_sets_and_takes_away_the_device(guard: Callable[..., None]) -> None:
+    guard("interpret", device="tpu-v5e")
+    with pallas_guard.policy(device="h100"):
+        assert _device_kind() == "NVIDIA H100 80GB HBM3"
+    with pallas_guard.policy("strict"):
+        assert _device_kind() is None
+    assert _device_kind() == "TPU v5 lite"
+
+
+def test_the_users_own_abstract_mesh_wins(guard: Callable[..., None]) -> None:
+    guard("interpret", device="tpu-v5e")
+    kind = "TPU v6 lite"
+    try:
+        theirs = jax.sharding.AbstractDevice(kind, 1, "tpu")
+    except TypeError:
+        theirs = jax.sharding.AbstractDevice(kind, 1)  # type: ignore[call-arg]
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=theirs)):
+        assert _device_kind() == kind
+        with pallas_guard.policy(device="h100"):  # the guard's scope never replaces the user's mesh
+            assert _device_kind() == kind
+
+
+def test_devices_jit_and_a_users_mesh_are_unaffected(guard: Callable[..., None]) -> None:
+    devices = jax.devices()
+    guard("interpret", device="tpu-v5e")
+    assert jax.devices() == devices
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
+    x = jax.device_put(jnp.arange(8.0), sharding)
+    out = jax.jit(lambda a: jnp.sin(a) * 2, out_shardings=sharding)(x)
+    np.testing.assert_allclose(out, np.sin(np.arange(8.0)) * 2, rtol=1e-6)
+    assert out.sharding == sharding
+
+
+def test_a_bad_device_names_the_input_and_the_closest_value() -> None:
+    with pytest.raises(pallas_guard.PallasGuardConfigError) as info:
+        pallas_guard.install("interpret", device="h1000")
+    text = str(info.value)
+    assert "install(device=...)='h1000'" in text and "'tpu-v5e'" in text and "did you mean 'h100'?" in text
+
+
+def test_jaxs_own_device_kinds_are_accepted(guard: Callable[..., None]) -> None:
+    guard("interpret", device="NVIDIA H100 80GB HBM3")
+    assert _device_kind() == "NVIDIA H100 80GB HBM3"
+
+
+def test_tpu_interpret_mode_simulates_the_devices_cores() -> None:
+    value = _engine.interpret_value("tpu", _interpreters.PLAIN_ONLY, cores=2)
+    if not hasattr(value, "num_cores_or_threads"):
+        pytest.skip("this jax's TPU interpret mode has no core count")
+    assert value.num_cores_or_threads == 2
+
+
+EMIT_PIPELINE = """
+import jax, jax.numpy as jnp, numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+def outer(x_hbm, o_hbm):
+    def inner(x_ref, o_ref):
+        o_ref[...] = x_ref[...] * 2
+    spec = pl.BlockSpec((8, 128), lambda i: (i, 0))
+    pltpu.emit_pipeline(inner, grid=(4,), in_specs=[spec], out_specs=[spec])(x_hbm, o_hbm)
+
+x = jnp.arange(32 * 128, dtype=jnp.float32).reshape(32, 128)
+out = pl.pallas_call(outer, out_shape=x, in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+                     out_specs=pl.BlockSpec(memory_space=pl.ANY))(x)
+np.testing.assert_array_equal(out, x * 2)
+print("emit_pipeline ok")
+"""
+
+
+@pytest.mark.parametrize("device", ["tpu-v5e", None])
+def test_an_emit_pipeline_kernel_runs_with_a_device_set(device: str | None) -> None:
+    """emit_pipeline asks for TPU info (tiling) even when interpreted: the variables alone suffice."""
+    env = {"PALLAS_GUARD_POLICY": "interpret", "JAX_PLATFORMS": "cpu", "PALLAS_GUARD_DEVICE": device}
+    result = run_python(EMIT_PIPELINE, env=env)
+    if device is None:
+        assert result.returncode != 0
+        # jax >= 0.8: "Unsupported TPU device kind: cpu"; 0.7: an assertion on the device kind.
+        assert "Unsupported TPU device kind: cpu" in result.stderr or "_get_tpu_generation" in result.stderr
+        return
+    assert result.returncode == 0, result.stderr
+    assert "emit_pipeline ok" in result.stdout
+
+
+def test_a_core_mesh_kernel_runs_with_the_variables_alone() -> None:
+    script = """
+        import inspect, jax, jax.numpy as jnp, numpy as np
+        from jax.experimental import pallas as pl
+        from jax.experimental.pallas import tpu as pltpu
+        if not hasattr(pl, "kernel"):
+            print("no pl.kernel"); raise SystemExit
+        out = "out_type" if "out_type" in inspect.signature(pl.kernel).parameters else "out_shape"
+        x = jnp.arange(8 * 128, dtype=jnp.float32).reshape(8, 128)
+        @pl.kernel(mesh=pltpu.create_tensorcore_mesh("core"), **{out: jax.ShapeDtypeStruct(x.shape, x.dtype)})
+        def double(x_ref, o_ref):
+            pltpu.sync_copy(x_ref, o_ref)
+            o_ref[...] = o_ref[...] * 2
+        np.testing.assert_array_equal(double(x), x * 2)
+        print("core mesh ok")
+        """
+    env = {"PALLAS_GUARD_POLICY": "interpret", "JAX_PLATFORMS": "cpu", "PALLAS_GUARD_DEVICE": "tpu-v5e"}
+    result = run_python(script, env=env)
+    assert result.returncode == 0, result.stderr
+    assert "core mesh ok" in result.stdout or "no pl.kernel" in result.stdout
+
+
+def test_host_code_without_a_device_fails_as_before_and_with_one_runs(guard: Callable[..., None]) -> None:
+    guard("interpret")
+    with pytest.raises((AttributeError, ValueError)):
+        pltpu.create_tensorcore_mesh("core")
+    guard("interpret", device="tpu-v5p")
+    assert pltpu.create_tensorcore_mesh("core").shape["core"] == 2
