@@ -384,6 +384,21 @@ def _over_budget_error(error: BaseException | None) -> BaseException | None:
 
 
 @pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Generator[None, Any, Any]:
+    """A test whose host code asked which TPU/GPU it runs on and got the CPU: its error gains a note
+    naming the device setting that answers it (the error keeps its type)."""
+    __tracebackhide__ = True
+    try:
+        return (yield)
+    except Exception as error:
+        if item.config.stash[_KEY].active:
+            from pallas_guard._frontdoor import note_which_accelerator
+
+            note_which_accelerator(error)
+        raise
+
+
+@pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, Any, Any]:
     __tracebackhide__ = True
     report: pytest.TestReport = yield

@@ -239,9 +239,9 @@ def interpreter_failure(
     interpreter: str,
     family: str | None,
     why: str | None = None,
-) -> PallasGuardError | None:
-    """A ``PallasGuardError`` explaining ``error`` when the CPU or the interpreter caused it, else None
-    (then the caller re-raises ``error`` untouched: the kernel's own bugs are not hidden)."""
+) -> str | None:
+    """A note explaining ``error`` when the CPU or the interpreter caused it, else None (the kernel's
+    own bugs are not explained away). The error keeps its type: the note goes on it (PEP 678)."""
     failure = _interpreters.explain_failure(error, interpreter=interpreter, family=family)
     if failure is None:
         return None
@@ -255,7 +255,7 @@ def interpreter_failure(
         failure=failure,
         why_interpreter=why,
     )
-    return PallasGuardError(f"{text}\nOriginal error: {type(error).__name__}: {error}")
+    return text
 
 
 def _first_line(error: BaseException) -> str:

@@ -66,7 +66,11 @@ def _shape_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
 
 
 def _first_line(error: BaseException) -> str:
-    lines = str(error).strip().splitlines()
+    """The line that says what went wrong: the first, or for an error that carries a Python
+    traceback in its text (a failed host callback), the last."""
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    if len(lines) > 1 and lines[0].endswith("Traceback (most recent call last):"):
+        return f"{type(error).__name__}: {lines[0].removesuffix('Traceback (most recent call last):')}{lines[-1]}"
     return f"{type(error).__name__}: {lines[0] if lines else '(no message)'}"
 
 
@@ -198,11 +202,13 @@ class Run:
             except _NEVER_RETRIED:
                 raise
             except Exception as error:
-                explained = self._explain(error, name)
-                finding = isinstance(error, PallasGuardError) or self._is_finding(error)
-                if finding or index + 1 == len(names):
-                    if explained is not None:
-                        raise explained from error
+                finding = self._finding(error)
+                if finding is not None:
+                    raise finding from error
+                if isinstance(error, PallasGuardError):
+                    raise
+                if index + 1 == len(names):
+                    self._explain(error, name)
                     self._note_failure(error, name, failures)
                     raise
                 # It lowered but failed at run time; its clean-up may not have run.
@@ -264,21 +270,24 @@ class Run:
         except PallasGuardError:
             raise
         except Exception as error:
-            explained = self._explain(error, name)
-            if explained is None:
-                raise
-            raise explained from error
+            finding = self._finding(error)
+            if finding is not None:
+                raise finding from error
+            self._explain(error, name)
+            raise
 
-    def _is_finding(self, error: BaseException) -> bool:
-        """A check's finding: the kernel's fault, which no other interpreter must hide."""
-        return "bounds" in self.candidates.checked and "Out-of-bounds read" in str(error)
-
-    def _explain(self, error: BaseException, name: str) -> PallasGuardError | None:
-        if isinstance(error, PallasGuardError):
-            return None
-        if self._is_finding(error):
+    def _finding(self, error: BaseException) -> PallasGuardError | None:
+        """A check's finding (the kernel's fault, which no other interpreter must hide), as the
+        guard's own error."""
+        if "bounds" in self.candidates.checked and "Out-of-bounds read" in str(error):
             return _diagnostics.bounds_error(error, kernel=self.kernel.info, call_site=self.call_site)
-        return _diagnostics.interpreter_failure(
+        return None
+
+    def _explain(self, error: BaseException, name: str) -> None:
+        """What the guard knows of a failure the CPU or the interpreter caused, as a note on it."""
+        if isinstance(error, PallasGuardError):
+            return
+        note = _diagnostics.interpreter_failure(
             error,
             kernel=self.kernel.info,
             call_site=self.call_site,
@@ -288,6 +297,8 @@ class Run:
             family=self.kernel.facts.family,
             why=self.candidates.reason,
         )
+        if note is not None:
+            _diagnostics.add_note(error, note)
 
     def _note_failure(self, error: BaseException, name: str, failures: list[tuple[str, BaseException, str]]) -> None:
         """The last candidate failed at run time: the error keeps its type and says what was tried."""

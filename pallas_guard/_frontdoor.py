@@ -29,7 +29,11 @@ def wrap_entry_point(original: Callable[..., Any], entry: EntryPoint, installati
         wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
         del instance
-        built = wrapped(*args, **kwargs)
+        try:
+            built = wrapped(*args, **kwargs)
+        except Exception as error:
+            note_which_accelerator(error)
+            raise
         if kwargs.get("interpret") or not callable(built):
             return built  # the caller chose an interpreter: JAX's own, untouched
         kernel = Kernel(entry, wrapped, args, kwargs)
@@ -95,8 +99,12 @@ def at_call(
     if plan.action is _plan.Action.UNTOUCHED:
         return run_as_built(*args, **kwargs)
     if plan.action is _plan.Action.DEFER:
-        with installation.ledger.calling(kernel.info):
-            return run_as_built(*args, **kwargs)
+        try:
+            with installation.ledger.calling(kernel.info):
+                return run_as_built(*args, **kwargs)
+        except Exception as error:
+            note_which_accelerator(error)
+            raise
     call_site = _diagnostics.user_call_site()
     if plan.action is _plan.Action.REFUSE:
         _act.carry_out(
@@ -121,6 +129,14 @@ def at_call(
         tpu_cores=_device.cores(device) if _device.platform(device) == "tpu" else None,
     )
     return run(args, kwargs)
+
+
+def note_which_accelerator(error: BaseException) -> None:
+    """Host code that asked which TPU/GPU it runs on and got the CPU: which device setting answers
+    it (a note: the error keeps its type). Nothing where a device is already presented."""
+    hint = _interpreters.which_accelerator_failure(error)
+    if hint is not None and _device.wanted() is None:
+        _diagnostics.add_note(error, f"pallas_guard: {hint}.")
 
 
 def candidates(kernel: Kernel) -> _interpreters.Candidates:

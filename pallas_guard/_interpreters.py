@@ -488,6 +488,44 @@ def _failing_line(error: BaseException) -> str:
     return linecache.getline(traceback.tb_frame.f_code.co_filename, traceback.tb_lineno).strip()
 
 
+# Where JAX's host code asks which TPU it runs on: TPU info, a TPU core mesh's core count, tiling.
+_TPU_QUESTIONS = ("jax/_src/tpu_info.py", "_get_tpu_generation", "_get_default_num_cores", "get_tpu_info")
+_GPU_QUESTIONS = ("Unsupported GPU architecture", "sm80", "sm90", "sm100", "compute capability", "needs an H100")
+
+
+def which_accelerator_failure(error: BaseException) -> str | None:
+    """Why ``error`` happened, when host code asked which TPU/GPU it runs on and got the CPU, with
+    the device setting that answers it; else None."""
+    from pallas_guard_autoload import DEVICE_ENV
+
+    text = f"{_text(error)} {_failing_line(error)}"
+    frames = _frame_names(error)
+    tpu = "Unsupported TPU device kind" in text or any(q in name for q in _TPU_QUESTIONS for name in frames)
+    if tpu:
+        return (
+            "the host code asks which TPU it runs on (TPU info, a core mesh's core count, tiling), and the CPU is "
+            f"no TPU; set {DEVICE_ENV}=tpu-v5e (or another TPU: pallas_guard.policy(device=...)) to emulate one"
+        )
+    if (isinstance(error, AttributeError) and "core_count" in text) or any(q in text for q in _GPU_QUESTIONS):
+        return (
+            "the host code asks which GPU it runs on (its SM count or architecture), and the CPU is no GPU; "
+            f"host code that reads JAX's abstract device (as JAX's own GPU kernels do) is answered by {DEVICE_ENV}=h100 "
+            "(or a100, b200: pallas_guard.policy(device=...)); code that asks jax.devices() itself cannot be"
+        )
+    return None
+
+
+def _frame_names(error: BaseException) -> list[str]:
+    """``file:function`` of each frame ``error`` passed through."""
+    names = []
+    traceback = error.__traceback__
+    while traceback is not None:
+        code = traceback.tb_frame.f_code
+        names.append(f"{code.co_filename.replace(chr(92), '/')}:{code.co_name}")
+        traceback = traceback.tb_next
+    return names
+
+
 def explain_failure(error: BaseException, *, interpreter: str, family: str | None) -> str | None:
     """Why ``interpreter`` cannot run this kernel on the CPU, when ``error`` says so; else None.
 
@@ -495,11 +533,9 @@ def explain_failure(error: BaseException, *, interpreter: str, family: str | Non
     the kernel's own code caused (a shape mismatch, a bad index) returns None and propagates as is.
     """
     text = f"{_text(error)} {_failing_line(error)}"
-    if isinstance(error, AttributeError) and "core_count" in text:
-        return (
-            "the kernel's host code asks the device for core_count (the GPU's SM count); "
-            "a CPU device has none, so no interpreter can run this kernel on the CPU"
-        )
+    asked = which_accelerator_failure(error)
+    if asked is not None:
+        return asked
     if isinstance(error, AttributeError | AssertionError) and "cuda_versions" in text:
         return "the kernel's host code asks for the CUDA runtime version, which jaxlib has only with a CUDA plugin"
     if family == "mosaic_gpu" and interpreter != "gpu":

@@ -85,7 +85,7 @@ def test_option_marker_header_and_summary(tester: pytest.Pytester) -> None:
     result.stdout.fnmatch_lines(
         [
             "pallas_guard: policy warn (from --pallas-guard-policy), interpreter auto (from default), "
-            "checks none (from default), max steps none (from default), target cpu *",
+            "checks none (from default), device none (from default), max steps none (from default), target cpu *",
             "*= pallas_guard summary =*",
             "3 Pallas kernel(s): 2 interpreted (plain: 2), 1 refused, 0 left alone; in 3 test(s)",
         ]
@@ -351,7 +351,8 @@ def test_budget_skip_markers_durations_and_header(tester: pytest.Pytester, monke
     result.stdout.fnmatch_lines(
         [
             "pallas_guard: policy interpret (from PALLAS_INTERPRET), interpreter auto (from default), checks none "
-            "(from default), max steps 4 (from pallas_guard_max_steps in pytest.ini), target cpu *",
+            "(from default), device none (from default), max steps 4 (from pallas_guard_max_steps in pytest.ini), "
+            "target cpu *",
         ]
     )
     result.stdout.fnmatch_lines(["FAILED test_budget.py::test_other_failure_still_fails - ValueError: not the*"])
@@ -390,7 +391,8 @@ def test_budget_skip_markers_durations_and_header(tester: pytest.Pytester, monke
             {"JAX_PLATFORMS": "tpu"},
             ("--pallas-guard-policy=interpret", "--pallas-guard-checks=races,bounds"),
             "pallas_guard: policy interpret (from --pallas-guard-policy), interpreter auto (from default), checks "
-            "races,bounds (from --pallas-guard-checks), max steps none (from default), target tpu *",
+            "races,bounds (from --pallas-guard-checks), device none (from default), max steps none (from default), "
+            "target tpu *",
         ),
         ({}, (), "pallas_guard: inactive *"),
     ],

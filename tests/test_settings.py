@@ -14,6 +14,7 @@ from pallas_guard._settings import current_interpreter, current_policy, parse
 from pallas_guard_autoload import (
     CHECKS_ENV,
     DETECT_RACES_ENV,
+    DEVICE_ENV,
     INTERPRETER_ENV,
     MAX_STEPS_ENV,
     OPTIONS,
@@ -39,6 +40,7 @@ def test_options_declare_each_setting_once() -> None:
         "policy": (POLICY_ENV, "policy", "warn"),
         "interpreter": (INTERPRETER_ENV, "interpreter", "auto"),
         "checks": (CHECKS_ENV, "set of checks", frozenset()),
+        "device": (DEVICE_ENV, "device", "none"),
         "max_steps": (MAX_STEPS_ENV, "step budget", None),
     }
     # The older and the shared spellings are aliases of two rows, not rows of their own.

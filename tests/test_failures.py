@@ -1,0 +1,125 @@
+"""Failures keep their type and gain context: an eager call that fails at run time moves on to the
+next candidate interpreter, the last failure says what was tried, host code asking the CPU which
+accelerator it is gets a pointer to the device setting, and machine failures propagate untouched."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import clean_env
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+import pallas_guard
+
+pytest_plugins = ("pytester",)
+
+
+def _callback_kernel(fail: Callable[[], bool]) -> Callable[..., Any]:
+    """A Mosaic-TPU kernel (verified: plain first) whose host callback fails when ``fail()`` says so:
+    it lowers in every interpreter and fails only at run time."""
+
+    def host(_: Any) -> None:
+        if fail():
+            raise RuntimeError("the host callback failed")
+
+    def body(x_ref, o_ref):  # type: ignore[no-untyped-def]
+        jax.debug.callback(host, x_ref[0, 0])
+        o_ref[...] = x_ref[...] * 2
+
+    return pl.pallas_call(
+        body, out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32), compiler_params=pltpu.CompilerParams()
+    )
+
+
+def test_an_eager_call_that_fails_at_run_time_moves_on_to_the_next_candidate(guard: Callable[..., None]) -> None:
+    guard("interpret")
+    calls: list[int] = []
+
+    def first_run_fails() -> bool:
+        calls.append(1)
+        return len(calls) == 1
+
+    out = _callback_kernel(first_run_fails)(jnp.ones((8, 128), jnp.float32))
+    np.testing.assert_array_equal(out, np.full((8, 128), 2.0))
+    (decision,) = pallas_guard.decisions()
+    assert decision.interpreter == "tpu"
+    assert (
+        decision.tried[0].startswith("plain: failed at run time (") and "the host callback failed" in decision.tried[0]
+    )
+    assert decision.tried[1] == "tpu: ok"
+
+
+def test_the_last_candidate_failing_keeps_the_error_and_says_what_was_tried(guard: Callable[..., None]) -> None:
+    guard("interpret")
+    with pytest.raises(Exception, match="the host callback failed") as info:
+        _callback_kernel(lambda: True)(jnp.ones((8, 128), jnp.float32))
+    assert not isinstance(info.value, pallas_guard.PallasGuardError)
+    note = "\n".join(getattr(info.value, "__notes__", ()))
+    assert "failed while running in TPU interpret mode" in note
+    assert "plain interpreter (interpret=True): failed at run time" in note
+    assert "interpret option of its own" in note
+
+
+@pytest.mark.parametrize("machine_error", [MemoryError, RecursionError])
+def test_a_machine_failure_during_a_trial_propagates_and_pins_nothing(
+    guard: Callable[..., None], machine_error: type[BaseException]
+) -> None:
+    guard("interpret")
+    traces: list[int] = []
+
+    def body(x_ref, o_ref):  # type: ignore[no-untyped-def]
+        traces.append(1)
+        if len(traces) == 1:
+            raise machine_error("out of it")
+        o_ref[...] = x_ref[...] + 1
+
+    def call() -> jax.Array:
+        kernel = pl.pallas_call(
+            body, out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32), compiler_params=pltpu.CompilerParams()
+        )
+        return kernel(jnp.zeros((8, 128), jnp.float32))
+
+    with pytest.raises(machine_error):
+        call()
+    jax.clear_caches()
+    np.testing.assert_array_equal(call(), np.ones((8, 128)))
+    assert [(d.interpreter, d.tried) for d in pallas_guard.decisions()] == [("plain", ("plain: ok",))]
+
+
+def test_a_users_error_mentioning_core_count_keeps_its_type(guard: Callable[..., None]) -> None:
+    guard("interpret")
+
+    def body(x_ref, o_ref):  # type: ignore[no-untyped-def]
+        raise AttributeError("my config has no core_count")
+
+    with pytest.raises(AttributeError, match="my config has no core_count") as info:
+        pl.pallas_call(body, out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32))(jnp.zeros((8, 128)))
+    assert not isinstance(info.value, pallas_guard.PallasGuardError)
+
+
+HOST_CODE_TEST = """
+from jax.experimental.pallas import tpu as pltpu
+
+def test_host_code_asks_which_tpu():
+    pltpu.create_tensorcore_mesh("core")
+"""
+
+
+def test_in_pytest_host_code_asking_which_tpu_gets_a_pointer_to_the_device_setting(pytester: pytest.Pytester) -> None:
+    """The failure happens before any kernel, in the test's own host code: the plugin sees it."""
+    pytester.makepyfile(test_host=HOST_CODE_TEST)
+    for name, value in clean_env({"JAX_PLATFORMS": "cpu"}).items():
+        pytester._monkeypatch.setenv(name, value)
+    result = pytester.runpytest_subprocess("-p", "pallas_guard", "--pallas-guard-policy=interpret", "-q")
+    result.assert_outcomes(failed=1)
+    assert "PALLAS_GUARD_DEVICE=tpu-v5e" in result.stdout.str()
+    result = pytester.runpytest_subprocess(
+        "-p", "pallas_guard", "--pallas-guard-policy=interpret", "--pallas-guard-device=tpu-v5e", "-q"
+    )
+    result.assert_outcomes(passed=1)
