@@ -509,8 +509,9 @@ def which_accelerator_failure(error: BaseException) -> str | None:
     if (isinstance(error, AttributeError) and "core_count" in text) or any(q in text for q in _GPU_QUESTIONS):
         return (
             "the host code asks which GPU it runs on (its SM count or architecture), and the CPU is no GPU; "
-            f"host code that reads JAX's abstract device (as JAX's own GPU kernels do) is answered by {DEVICE_ENV}=h100 "
-            "(or a100, b200: pallas_guard.policy(device=...)); code that asks jax.devices() itself cannot be"
+            "host code that reads JAX's abstract device (as JAX's own GPU kernels do) is answered by "
+            f"{DEVICE_ENV}=h100 (or a100, b200: pallas_guard.policy(device=...)); code that asks jax.devices() "
+            "itself cannot be"
         )
     return None
 
