@@ -7,6 +7,7 @@ warn once, keep every layer that still works, and diagnostics can say what was m
 
 from __future__ import annotations
 
+import functools
 import importlib
 import itertools
 import os
@@ -27,6 +28,9 @@ _warned_missing: set[str] = set()
 
 def import_optional(name: str) -> types.ModuleType | None:
     """Import ``name`` or return None; ImportError covers a missing optional dependency (absl)."""
+    module = sys.modules.get(name)  # the common case, on every kernel call: no import machinery
+    if module is not None:
+        return module
     try:
         return importlib.import_module(name)
     except ImportError:
@@ -79,7 +83,10 @@ def _release(version: str) -> tuple[int, ...]:
 
 def jax_release() -> tuple[int, ...]:
     """The running jax's release as numbers, ``(0, 10, 2)``; empty when unknown."""
-    return _release(jax_version())
+    return _release_cached(jax_version())
+
+
+_release_cached = functools.lru_cache(maxsize=4)(_release)
 
 
 def tested_range_notice() -> str | None:
@@ -228,10 +235,17 @@ def unwrap_rule(entry: Any) -> Callable[..., Any] | None:
 # --- configuration and backends, all read without initialising a backend ------------------------
 
 
+_config_holders: dict[str, Any] = {}  # read on every kernel call: found once, where found
+
+
 def jax_config_value(name: str) -> Any:
     """A ``jax.config`` value as seen in this thread/context (scopes included); None if absent."""
-    config = import_optional("jax._src.config")
-    holder = getattr(config, name.removeprefix("jax_"), None) if config is not None else None
+    holder = _config_holders.get(name)
+    if holder is None:
+        config = import_optional("jax._src.config")
+        holder = getattr(config, name.removeprefix("jax_"), None) if config is not None else None
+        if holder is not None and hasattr(holder, "value"):
+            _config_holders[name] = holder
     if holder is not None and hasattr(holder, "value"):
         return holder.value
     jax = sys.modules.get("jax")
