@@ -489,7 +489,13 @@ def _failing_line(error: BaseException) -> str:
 
 
 # Where JAX's host code asks which TPU it runs on: TPU info, a TPU core mesh's core count, tiling.
-_TPU_QUESTIONS = ("jax/_src/tpu_info.py", "_get_tpu_generation", "_get_default_num_cores", "get_tpu_info")
+_TPU_QUESTIONS = (
+    "jax/_src/tpu_info.py",
+    "_get_tpu_generation",
+    "_get_default_num_cores",
+    "get_tpu_info",
+    "mosaic/core.py:create_tensorcore_mesh",  # jax 0.7: asks the device for num_cores itself
+)
 _GPU_QUESTIONS = ("Unsupported GPU architecture", "sm80", "sm90", "sm100", "compute capability", "needs an H100")
 
 

@@ -137,7 +137,9 @@ def current(name: str) -> Setting[Any]:
     if values is None:
         configure()  # a bad variable raises here, naming it
         values = _process.values
-        assert values is not None
+        if values is None:  # left unloaded on purpose (``unsettled``): the bad variable's error
+            read_environment()
+            raise AssertionError("the settings are unloaded, yet the environment reads clean")
     return values[name]
 
 
