@@ -100,36 +100,35 @@ class Run:
     def _variant(self, name: str) -> tuple[Any, Any]:
         """(the kernel built for interpreter ``name``, its ``interpret=`` value); one object per
         kernel, interpreter and settings, so the net recognises what the front door injected."""
-        c = self.candidates
-        key = (name, c.detect_races, c.checked, c.eager_dmas, self.tpu_cores)
-        with self.kernel.lock:
-            known = self.kernel.variants.get(key)
-        if known is None:
-            value = interpret_value(name, c, cores=self.tpu_cores)
+
+        def build() -> tuple[Any, Any]:
+            value = interpret_value(name, self.candidates, cores=self.tpu_cores)
             if value is None:  # plain: the kernel as built, the net substitutes the interpreter
-                built = self.kernel.build()
-            else:
-                self.ledger.mark_injected(value)
-                built = self.kernel.build(value)
-            known = (built, value)
-            with self.kernel.lock:
-                known = self.kernel.variants.setdefault(key, known)
-        built, value = known
+                return self.kernel.build(), None
+            self.ledger.mark_injected(value)
+            return self.kernel.build(value), value
+
+        built, value = self._memo((name,), build)
         return built, value
 
     def _jitted(self, name: str) -> Callable[..., Any]:
         """The variant for ``name`` under ``jax.jit``: its trial lowering is kept for the real call."""
         import jax
 
+        jitted: Callable[..., Any] = self._memo(("jit", name), lambda: jax.jit(self._variant(name)[0]))
+        return jitted
+
+    def _memo(self, key: tuple[Hashable, ...], make: Callable[[], Any]) -> Any:
+        """What ``make`` gives, once per kernel object, ``key`` and the settings that shape it."""
         c = self.candidates
-        key = ("jit", name, c.detect_races, c.checked, c.eager_dmas, self.tpu_cores)
+        key = (*key, c.detect_races, c.checked, c.eager_dmas, self.tpu_cores)
         with self.kernel.lock:
             known = self.kernel.variants.get(key)
         if known is None:
-            known = jax.jit(self._variant(name)[0])
+            made = make()
             with self.kernel.lock:
-                known = self.kernel.variants.setdefault(key, known)
-        return known  # type: ignore[no-any-return]
+                known = self.kernel.variants.setdefault(key, made)
+        return known
 
     def _quiet_net(self, name: str) -> contextlib.AbstractContextManager[None]:
         """An eager plain run is recorded here; the net substitutes the interpreter silently."""
