@@ -382,7 +382,19 @@ def backend_family(obj: object) -> str | None:
     """``"mosaic_tpu"``, ``"mosaic_gpu"`` or ``"triton"`` from the module that defines ``obj``'s type."""
     if type(obj) is str:  # not a str-valued Enum such as SemaphoreType
         return BACKEND_NAMES.get(obj)
-    return BACKEND_MODULES.get(type(obj).__module__)
+    module = type(obj).__module__
+    found = BACKEND_MODULES.get(module)
+    if found is None:  # a backend's other modules: SparseCore meshes (mosaic.sc_core), ...
+        found = next((family for package, family in _BACKEND_PACKAGES if module.startswith(package)), None)
+    return found
+
+
+# Longest first: mosaic_gpu's package name starts with mosaic's.
+_BACKEND_PACKAGES = (
+    ("jax._src.pallas.mosaic_gpu.", "mosaic_gpu"),
+    ("jax._src.pallas.mosaic.", "mosaic_tpu"),
+    ("jax._src.pallas.triton.", "triton"),
+)
 
 
 # Where each interpreter keeps its race detector's state: (module, attribute), newest first.

@@ -39,6 +39,9 @@ class KernelFacts(NamedTuple):
     entry_point: str = "pallas_call"
     captured_refs: str | None = None
     """The refs the body captures (partial arguments, closure: ``pl.run_state``), or None."""
+    plain_risk: str | None = None
+    """What in a Mosaic-TPU kernel the plain interpreter may not lower (DMAs, semaphores, memory
+    spaces, scalar prefetch, TPU primitives, a jitted body), or None: block specs and vector code."""
 
 
 GENERIC = KernelFacts(None, "no backend-specific compiler_params, mesh, grid spec or scratch types", None)
@@ -229,15 +232,79 @@ def kernel_facts(entry_point: str, body: object, kwargs: Mapping[str, Any], mesh
         (type(m).__name__ for m in _leaves(mesh) if m is not None and _internals.backend_family(m) == "mosaic_tpu"),
         None,
     )
+    program_id = _program_id_in_control_flow(body)
     return KernelFacts(
         family,
         evidence or GENERIC.family_evidence,
         cross_device,
         core_mesh,
-        _program_id_in_control_flow(body) if family in (None, "triton", "mosaic_gpu") else None,
+        program_id,
         entry_point,
         _captured_refs(body),
+        _plain_risk(body, kwargs, scratch) if family == "mosaic_tpu" else None,
     )
+
+
+# What a Mosaic-TPU kernel uses that the plain interpreter lowers through discharge rules with gaps
+# (DMAs with transforms, semaphores, memory spaces) or may not lower at all (TPU-only primitives).
+# Without any of it, a kernel is block specs and vector code: JAX's own interpret=True mode.
+_PLAIN_RISKY_NAMES = frozenset(
+    {
+        "async_copy", "make_async_copy", "sync_copy", "make_async_remote_copy", "async_remote_copy",
+        "dma_start", "dma_wait", "semaphore_signal", "semaphore_wait", "semaphore_read", "run_scoped",
+        "emit_pipeline", "emit_pipeline_with_allocations", "bitcast", "roll", "repeat", "prng_seed",
+        "prng_random_bits", "stateful_uniform", "stateful_normal", "stateful_bits", "delay", "core_barrier",
+        "get_barrier_semaphore", "with_memory_space_constraint", "load_expanded", "store_compressed",
+    }
+)  # fmt: skip
+_PLAIN_RISKY_SPACES = ("ANY", "HBM", "SEMAPHORE", "HOST")  # DMA territory; SMEM and VMEM are arrays
+
+
+def _plain_risk(body: object, kwargs: Mapping[str, Any], scratch: object) -> str | None:
+    """Why the plain interpreter may not lower this Mosaic-TPU kernel (then it is verified)."""
+    if _under_jit(body):
+        return "its body is a jax.jit function"
+    grid_spec = kwargs.get("grid_spec")
+    specs = [kwargs.get("in_specs"), kwargs.get("out_specs"), getattr(grid_spec, "in_specs", None)]
+    spaces = [getattr(leaf, "memory_space", None) for leaf in _leaves([*specs, getattr(grid_spec, "out_specs", None)])]
+    for leaf in _leaves(scratch):
+        if _is_semaphore(leaf):
+            return "it allocates a semaphore"
+        spaces.append(getattr(leaf, "memory_space", None))
+    for space in spaces:
+        word = str(getattr(space, "name", space)).upper()
+        if space is not None and any(risky in word for risky in _PLAIN_RISKY_SPACES):
+            return f"it uses memory space {word}"
+    for code in _code_objects(body, helpers=True):
+        names = _PLAIN_RISKY_NAMES.intersection(code.co_names)
+        if names:
+            return f"{code.co_name} uses {', '.join(sorted(names))}"
+    nested = _program_id_nested(body)
+    return f"program_id inside control flow ({nested})" if nested else None
+
+
+_COMPREHENSIONS = frozenset({"<genexpr>", "<listcomp>", "<dictcomp>", "<setcomp>"})
+
+
+def _program_id_nested(body: object) -> str | None:
+    """A function nested in the body or in a helper of its module (a ``pl.when``/``cond``/loop
+    body) that reads the grid position; a helper's own top level runs at the kernel's."""
+    tops = {getattr(innermost_function(body), "__code__", None)}
+    function = innermost_function(body)
+    namespace = getattr(function, "__globals__", None) or {}
+    tops.update(
+        getattr(value, "__code__", None) for value in namespace.values() if isinstance(value, types.FunctionType)
+    )
+    for code in _code_objects(body, helpers=True):
+        if code in tops or code.co_name in _COMPREHENSIONS:  # a comprehension runs where it stands
+            continue
+        if _GRID_NAMES.intersection(code.co_names):
+            return f"{code.co_name} reads {', '.join(sorted(_GRID_NAMES.intersection(code.co_names)))}"
+    return None
+
+
+def _is_semaphore(leaf: object) -> bool:
+    return any("SEMAPHORE" in type(part).__name__.upper() for part in (leaf, getattr(leaf, "dtype", None)))
 
 
 def _captured_refs(body: object) -> str | None:
@@ -403,11 +470,17 @@ def _by_facts(setting: Setting[Interpreter], facts: KernelFacts) -> Candidates: 
             f"a Mosaic-GPU kernel ({facts.family_evidence}): the Mosaic-GPU interpreter first, verified",
             verify=True,
         )
-    if facts.family == "mosaic_tpu":
+    if facts.family == "mosaic_tpu" and facts.plain_risk:
         return Candidates(
             ("plain", "tpu"),
-            f"a Mosaic-TPU kernel ({facts.family_evidence}): the plain interpreter first (fastest), verified",
+            f"a Mosaic-TPU kernel ({facts.family_evidence}; {facts.plain_risk}): the plain interpreter first "
+            "(fastest), verified",
             verify=True,
+        )
+    if facts.family == "mosaic_tpu":
+        return PLAIN_ONLY._replace(
+            reason=f"a Mosaic-TPU kernel of block specs and vector code ({facts.family_evidence}): the plain "
+            "interpreter runs it, fastest"
         )
     if facts.program_id_in_control_flow:
         # The plain interpreter substitutes program_id only at the body's top level.

@@ -140,10 +140,9 @@ def test_a_core_mesh_kernel_runs_with_the_variables_alone() -> None:
         out = "out_type" if "out_type" in inspect.signature(pl.kernel).parameters else "out_shape"
         x = jnp.arange(8 * 128, dtype=jnp.float32).reshape(8, 128)
         @pl.kernel(mesh=pltpu.create_tensorcore_mesh("core"), **{out: jax.ShapeDtypeStruct(x.shape, x.dtype)})
-        def double(x_ref, o_ref):
+        def copy(x_ref, o_ref):  # HBM refs: copied, never read directly (a TPU refuses that)
             pltpu.sync_copy(x_ref, o_ref)
-            o_ref[...] = o_ref[...] * 2
-        np.testing.assert_array_equal(double(x), x * 2)
+        np.testing.assert_array_equal(copy(x), x)
         print("core mesh ok")
         """
     env = {"PALLAS_GUARD_POLICY": "interpret", "JAX_PLATFORMS": "cpu", "PALLAS_GUARD_DEVICE": "tpu-v5e"}

@@ -28,13 +28,13 @@ def _callback_kernel(fail: Callable[[], bool]) -> Callable[..., Any]:
         if fail():
             raise RuntimeError("the host callback failed")
 
-    def body(x_ref, o_ref):  # type: ignore[no-untyped-def]
+    def body(x_ref, o_ref, sem):  # type: ignore[no-untyped-def]
         jax.debug.callback(host, x_ref[0, 0])
         o_ref[...] = x_ref[...] * 2
 
-    return pl.pallas_call(
-        body, out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32), compiler_params=pltpu.CompilerParams()
-    )
+    # The DMA semaphore makes the plain interpreter's lowering uncertain: verified, plain first.
+    scratch = [pltpu.SemaphoreType.DMA]
+    return pl.pallas_call(body, out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32), scratch_shapes=scratch)
 
 
 def test_an_eager_call_that_fails_at_run_time_moves_on_to_the_next_candidate(guard: Callable[..., None]) -> None:
@@ -73,16 +73,15 @@ def test_a_machine_failure_during_a_trial_propagates_and_pins_nothing(
     guard("interpret")
     traces: list[int] = []
 
-    def body(x_ref, o_ref):  # type: ignore[no-untyped-def]
+    def body(x_ref, o_ref, sem):  # type: ignore[no-untyped-def]
         traces.append(1)
         if len(traces) == 1:
             raise machine_error("out of it")
         o_ref[...] = x_ref[...] + 1
 
     def call() -> jax.Array:
-        kernel = pl.pallas_call(
-            body, out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32), compiler_params=pltpu.CompilerParams()
-        )
+        out = jax.ShapeDtypeStruct((8, 128), jnp.float32)
+        kernel = pl.pallas_call(body, out_shape=out, scratch_shapes=[pltpu.SemaphoreType.DMA])
         return kernel(jnp.zeros((8, 128), jnp.float32))
 
     with pytest.raises(machine_error):
