@@ -184,7 +184,7 @@ def _run(
     command = [
         sys.executable,
         "-c",
-        f"import contextlib, jax, pallas_guard, runpy\nwith {around or 'contextlib.nullcontext()'}:\n    {run}",
+        f"import pallas_guard, contextlib, jax, runpy\nwith {around or 'contextlib.nullcontext()'}:\n    {run}",
     ]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, check=False)
     return result, script
