@@ -39,6 +39,8 @@ class FirstCall:
     call: Callable[[], Any]
     """Builds the kernel and calls it once (no ``interpret=`` anywhere)."""
     check: Callable[[Any], None]
+    device: str | None = None
+    """The guard's device setting (host code that asks which GPU/TPU it runs on)."""
 
 
 def _own_kernels() -> list[FirstCall]:
@@ -120,7 +122,7 @@ def _corpus() -> list[FirstCall]:
         def call(case: Any = case, inputs: Any = inputs) -> Any:
             return case.call(case.op_module(), *inputs)
 
-        calls.append(FirstCall(case.name, call, lambda out, case=case: check(case, out)))
+        calls.append(FirstCall(case.name, call, lambda out, case=case: check(case, out), case.device))
     return calls
 
 
@@ -132,7 +134,7 @@ def _first_call(kernel: FirstCall, interpreter: str) -> Sample:
 
     jax.clear_caches()
     pallas_guard.uninstall()  # forgets the settled choices
-    pallas_guard.install("interpret", interpreter=interpreter, checks="none", max_steps=None)
+    pallas_guard.install("interpret", interpreter=interpreter, checks="none", max_steps=None, device=kernel.device)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

@@ -42,10 +42,10 @@ TARGET = 1.05
 
 
 @contextlib.contextmanager
-def _mode(mode: str) -> Iterator[None]:
+def _mode(mode: str, device: str | None = None) -> Iterator[None]:
     """``guard``: the guard, choosing; ``bounds``: the guard with ``checks="bounds"``;
     ``plain``/``tpu``/``gpu``: that interpreter forced for every kernel; ``jax-tpu``: JAX's own
-    ``force_tpu_interpret_mode()`` with the guard off."""
+    ``force_tpu_interpret_mode()`` with the guard off. ``device``: the guard's device setting."""
     import pallas_guard
 
     if mode == "jax-tpu":
@@ -56,7 +56,8 @@ def _mode(mode: str) -> Iterator[None]:
             yield
         return
     interpreter = "auto" if mode in ("guard", "bounds") else mode
-    pallas_guard.install("interpret", interpreter=interpreter, checks="bounds" if mode == "bounds" else "none")
+    checks = "bounds" if mode == "bounds" else "none"
+    pallas_guard.install("interpret", interpreter=interpreter, checks=checks, device=device)
     try:
         yield
     finally:
@@ -72,7 +73,7 @@ def _compile(case: Any, mode: str) -> tuple[Callable[[], Any] | None, str]:
     inputs = case.inputs()
     jax.clear_caches()  # the ops are jitted themselves: their traces must not leak between modes
     try:
-        with _mode(mode), warnings.catch_warnings():
+        with _mode(mode, case.device), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # bounds: "much slower than plain", which is what this measures
             compiled = jax.jit(lambda *a: case.call(module, *a)).lower(*inputs).compile()
         check(case, jax.block_until_ready(compiled(*inputs)))

@@ -157,3 +157,60 @@ def test_host_code_without_a_device_fails_as_before_and_with_one_runs(guard: Cal
         pltpu.create_tensorcore_mesh("core")
     guard("interpret", device="tpu-v5p")
     assert pltpu.create_tensorcore_mesh("core").shape["core"] == 2
+
+
+SPARSE_CORE = """
+import inspect, jax, jax.numpy as jnp, numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+try:
+    from jax.experimental.pallas import tpu_sc as plsc
+except ImportError:
+    plsc = None
+if plsc is None or not hasattr(plsc, "VectorSubcoreMesh") or not hasattr(pl, "kernel"):
+    print("no SparseCore mesh"); raise SystemExit
+# The mesh's defaults ask the chip's SparseCore info (cores, subcores) in user code, before Pallas.
+sizes = {"num_cores": 1}
+if "num_subcores" in inspect.signature(plsc.VectorSubcoreMesh).parameters:
+    sizes["num_subcores"] = 1
+mesh = plsc.VectorSubcoreMesh(core_axis_name="core", subcore_axis_name="subcore", **sizes)
+out = "out_type" if "out_type" in inspect.signature(pl.kernel).parameters else "out_shape"
+x = jnp.arange(8 * 128, dtype=jnp.float32).reshape(8, 128)
+@pl.kernel(mesh=mesh, **{out: jax.ShapeDtypeStruct(x.shape, x.dtype)})
+def copy(x_hbm, o_hbm):
+    pltpu.sync_copy(x_hbm, o_hbm)
+np.testing.assert_array_equal(copy(x), x)
+print("SparseCore ok")
+"""
+
+
+PLAIN_DROPS_THE_SPARSE_CORE_COPY = (
+    "jax < 0.10: the guard runs this SparseCore kernel in the plain interpreter, whose sync_copy leaves "
+    "the output zeros (1023 of 1024 elements wrong); TPU interpret mode forced by hand copies it right"
+)
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        pytest.param(
+            "tpu-v5p",
+            marks=pytest.mark.xfail(
+                jax.__version_info__ < (0, 10, 0), strict=True, reason=PLAIN_DROPS_THE_SPARSE_CORE_COPY
+            ),
+        ),
+        None,
+    ],
+)
+def test_a_sparse_core_kernel_runs_with_a_device_set(device: str | None) -> None:
+    """A SparseCore mesh asks for the chip's SparseCore info where the user builds it."""
+    env = {"PALLAS_GUARD_POLICY": "interpret", "JAX_PLATFORMS": "cpu", "PALLAS_GUARD_DEVICE": device}
+    result = run_python(SPARSE_CORE, env=env)
+    if "no SparseCore mesh" in result.stdout:
+        pytest.skip("this jax has no SparseCore vector-subcore mesh or no pl.kernel")
+    if device is None:
+        assert result.returncode != 0
+        assert "Unsupported TPU device kind: cpu" in result.stderr, result.stderr[-3000:]
+        return
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "SparseCore ok" in result.stdout

@@ -1,8 +1,9 @@
 """JAX's shipped Pallas kernels, called as on a GPU/TPU (no ``interpret=``), run on this CPU.
 
 Each case in ``ops_corpus`` must match its ``jax.numpy`` reference under the guard, with the
-interpreter the guard is expected to choose. ``xfail(strict=True)`` marks only kernels no
-interpreter can run on the CPU, so a JAX that fixes one shows up as an unexpected pass.
+interpreter the guard is expected to choose (with the case's ``device`` set, where its host code asks
+which GPU/TPU it runs on). ``xfail(strict=True)`` marks only kernels no interpreter can run on the
+CPU, so a JAX that fixes one shows up as an unexpected pass.
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ def _interpreters_used() -> set[str | None]:
 _SUBPROCESS = """
 import json, jax, pallas_guard
 from ops_corpus import by_name, check
-pallas_guard.install("interpret")
 case = by_name({name!r})
+pallas_guard.install("interpret", device=case.device)
 check(case, jax.block_until_ready(case.run()))
 print(json.dumps(sorted({{d.interpreter for d in pallas_guard.decisions() if d.action == "interpreted"}})))
 """
@@ -57,7 +58,7 @@ def test_shipped_kernel_runs_on_cpu_under_the_guard(case: Case, guard: Callable[
         assert result.returncode == 0, result.stderr[-3000:]
         assert json.loads(result.stdout.strip().splitlines()[-1]) == [case.expected]
         return
-    guard("interpret")
+    guard("interpret", device=case.device)
     jax.clear_caches()  # a kernel compiled by an earlier test would not reach the guard again
     result = jax.block_until_ready(case.run())
     check(case, result)
