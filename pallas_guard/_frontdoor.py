@@ -94,6 +94,7 @@ def at_call(
         candidates=functools.partial(candidates, kernel),
         grid=kernel.grid,
         max_steps=budget.value,
+        eager=not _internals.tracing(),
     )
     plan = _plan.plan(situation)
     if plan.action is _plan.Action.UNTOUCHED:
@@ -114,7 +115,7 @@ def at_call(
             call_site=call_site,
             target=_fallback(target, plan),
             policy=policy,
-            interpreter=candidates(kernel).names[0] if plan.over_budget else None,
+            interpreter=(plan.candidates or candidates(kernel)).names[0] if plan.over_budget else None,
             grid=kernel.grid,
             budget=budget,
         )

@@ -21,6 +21,7 @@ def make_cpu_rule(entry_point: str, delegate: LoweringRule, installation: Guardi
     """A CPU rule that plans for the kernel, carries the plan out, then hands over to JAX's own rule."""
 
     def pallas_guard_cpu_rule(ctx: Any, *in_nodes: Any, **params: Any) -> Any:
+        __tracebackhide__ = True
         if not installation.active:
             return delegate(ctx, *in_nodes, **params)
         interpret = params.get("interpret")

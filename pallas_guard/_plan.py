@@ -39,6 +39,8 @@ class Situation(NamedTuple):
     """JAX's own ``force_*_interpret_mode`` value, which JAX applies itself when truthy."""
     injected: bool = False
     """Lowering: ``interpret`` is the value the front door chose (already recorded)."""
+    eager: bool = False
+    """Front door: the call runs now (no trace), so it lowers for the target right away."""
     net_gap: str | None = None
     """Front door: why the lowering net that would catch this kernel is not installed."""
     accelerator_plugins: bool = False
@@ -88,8 +90,9 @@ def plan(situation: Situation) -> Plan:  # noqa: PLR0911, PLR0912 - one return p
     if fallback is not None:
         return Plan(Action.REFUSE, f"falls back to strict: {fallback}", record=True, fallback=fallback)
     if s.policy is Policy.STRICT:
-        if not at_net:
-            # Only lowering knows that this trace, or this branch of it, really targets the CPU.
+        if not at_net and not s.eager:
+            # Only lowering knows that this trace, or this branch of it, really targets the CPU; an
+            # eager call lowers for its target now, and is refused before JAX wraps the error.
             return Plan(Action.DEFER, "policy strict: refused where the kernel lowers for the CPU")
         return Plan(Action.REFUSE, "policy strict: no interpreter without interpret=", record=True)
     reason = f"policy {s.policy.value}: target is the CPU"
@@ -111,6 +114,8 @@ def plan(situation: Situation) -> Plan:  # noqa: PLR0911, PLR0912 - one return p
     if not _needs_front_door(candidates):
         if s.net_gap is not None:
             return Plan(Action.REFUSE, f"falls back to strict: {s.net_gap}", record=True, fallback=s.net_gap)
+        if over_budget is not None and s.eager:
+            return over_budget
         return Plan(Action.DEFER, f"{reason}; the plain interpreter, substituted by the lowering net")
     return over_budget or Plan(Action.INTERPRET, reason, warn=warn, record=True, candidates=candidates, steps=steps)
 

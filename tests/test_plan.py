@@ -111,3 +111,16 @@ def test_without_a_net_an_unknown_target_and_no_plugin_fall_back_to_strict() -> 
 def test_without_a_net_only_what_the_net_would_substitute_is_refused() -> None:
     assert plan(front(Policy.INTERPRET, "cpu", net_gap="gap")).action is Action.REFUSE
     assert plan(front(Policy.INTERPRET, "cpu", TPU_FIRST, net_gap="gap")).action is Action.INTERPRET
+
+
+def test_an_eager_call_is_refused_at_the_call_under_strict() -> None:
+    """An eager call lowers for its target at once: refused before JAX wraps the error."""
+    assert plan(front(Policy.STRICT, "cpu", eager=True)).action is Action.REFUSE
+    assert plan(front(Policy.STRICT, "cuda", eager=True)).action is Action.UNTOUCHED
+
+
+def test_an_eager_plain_kernel_over_the_budget_is_refused_at_the_call() -> None:
+    result = plan(front(Policy.INTERPRET, "cpu", grid=(16,), max_steps=4, eager=True))
+    assert (result.action, result.over_budget, result.steps) == (Action.REFUSE, True, 16)
+    # Traced: the net refuses where it lowers for the CPU (a branch for an accelerator is not).
+    assert plan(front(Policy.INTERPRET, "cpu", grid=(16,), max_steps=4)).action is Action.DEFER
