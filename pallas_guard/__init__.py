@@ -14,7 +14,7 @@ from collections.abc import Iterable, Iterator
 
 from pallas_guard_autoload import PallasGuardConfigError
 
-from . import _device, _errors, _install, _record, _settings
+from . import _errors, _install, _record, _settings
 from ._enums import Interpreter, Policy
 from ._errors import PallasGuardError, PallasGuardWarning
 from ._install import install, uninstall
@@ -50,6 +50,8 @@ def set_policy(policy: Policy | str) -> None:
     source = "set_policy()"
     _settings.pin("policy", _settings.Setting(_settings.parse("policy", policy, "set_policy(policy)"), source))
     if _install.installation.active:
+        from . import _device
+
         _device.apply()  # a device is presented only while the guard interprets
 
 
@@ -79,6 +81,8 @@ def _scope(overrides: dict[str, _settings.Setting[object]]) -> Iterator[None]:
         if not _install.installation.active:
             yield
             return
+        from . import _device
+
         with _device.scoped():
             yield
 

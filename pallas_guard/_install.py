@@ -13,7 +13,7 @@ from typing import Any
 
 import pallas_guard_autoload
 
-from . import _device, _settings
+from . import _settings
 from ._entry_points import ENTRY_POINTS, MODULES, EntryPoint
 from ._enums import Interpreter, Policy
 from ._ledger import Ledger
@@ -82,7 +82,10 @@ class Installation:
         finder = pallas_guard_autoload.finder()
         for module_name in MODULES:
             finder.register(module_name, self._on_import)
-        _device.apply()  # where jax is imported already; else when Pallas is
+        if "jax" in sys.modules:  # else the device is applied when Pallas is imported
+            from . import _device
+
+            _device.apply()
 
     def uninstall(self) -> None:
         with self.lock:
@@ -110,6 +113,8 @@ class Installation:
                     if entry.module == module.__name__:
                         self._wrap_entry_point(module, entry)
                 self._install_lowering_net()
+                from . import _device
+
                 _device.apply()
             except Exception as error:  # the user's import must not fail because of us
                 self.failure = f"{type(error).__name__}: {error}"
@@ -122,7 +127,8 @@ class Installation:
     def _undo_locked(self) -> None:
         self.active = False
         self.ledger.clear()
-        _device.undo()
+        if "pallas_guard._device" in sys.modules:  # nothing to undo where it never ran
+            sys.modules["pallas_guard._device"].undo()
         while self.patches:
             self.patches.pop().restore()
         while self.rules:
