@@ -106,6 +106,8 @@ def test_an_hbm_annotated_aliased_input_runs(guard: Callable[..., None]) -> None
             "jax 0.7: the plain interpreter cannot lower the HBM-annotated input (TypeError), and TPU interpret "
             "mode leaves the aliased output's unwritten rows uninitialised (NaN), by hand too"
         )
+    if _internals.jax_release() < (0, 9):
+        pytest.xfail("jax 0.8: TypeError on the HBM-annotated aval (ShapedArrayWithMemorySpace), by hand too")
     guard("interpret")
 
     def kernel(x_hbm_ref, aliased_y_input, y_hbm_ref):  # type: ignore[no-untyped-def]
