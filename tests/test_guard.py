@@ -393,9 +393,9 @@ def _core_map_call(x: jax.Array, **interpret: Any) -> jax.Array:
 
 def test_core_map_writing_captured_refs_never_returns_zeros(guard: Any, xs: jax.Array) -> None:
     """The body writes refs it closes over. Where the plain interpreter drops such writes (zeros, by
-    hand too: jax < 0.12), the guard runs it in TPU interpret mode: jax 0.8-0.11's refuses this
+    hand too: jax < 0.11.2), the guard runs it in TPU interpret mode: jax 0.8-0.10's refuses this
     body's direct read of an HBM ref, as a TPU would (an error, never a wrong answer); jax 0.7's
-    computes x + 3. From 0.12: plain, x + 3."""
+    computes x + 3. From 0.11.2: plain, x + 3."""
     from pallas_guard import _internals, _interpreters
 
     guard("interpret")
