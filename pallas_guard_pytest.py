@@ -391,7 +391,8 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, Any, Any]:
     try:
         return (yield)
     except Exception as error:
-        if item.config.stash[_KEY].active:
+        session = item.config.stash.get(_KEY, None)
+        if session is not None and session.active:
             from pallas_guard._frontdoor import note_which_accelerator
 
             note_which_accelerator(error)
