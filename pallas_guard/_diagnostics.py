@@ -258,9 +258,13 @@ def interpreter_failure(
     return text
 
 
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0] if text else '(no message)'}"
+def first_line(error: BaseException) -> str:
+    """The line that says what went wrong: the first, or for an error that carries a Python
+    traceback in its text (a failed host callback), the last."""
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    if len(lines) > 1 and lines[0].endswith("Traceback (most recent call last):"):
+        return f"{type(error).__name__}: {lines[0].removesuffix('Traceback (most recent call last):')}{lines[-1]}"
+    return f"{type(error).__name__}: {lines[0] if lines else '(no message)'}"
 
 
 def no_interpreter(
@@ -272,7 +276,7 @@ def no_interpreter(
     why: str,
 ) -> PallasGuardError:
     """No candidate interpreter runs ``kernel``: each one tried, with the first line of its error."""
-    tried = [f"  - {_interpreters.describe_interpreter(name)}: {_first_line(error)}" for name, error in failures]
+    tried = [f"  - {_interpreters.describe_interpreter(name)}: {first_line(error)}" for name, error in failures]
     verdict = (
         "Each failure comes from inside JAX's interpreters: this looks like a gap in them for this kernel, "
         "not a bug in the kernel (report it to JAX, or to the kernel's authors)."

@@ -65,15 +65,6 @@ def _shape_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
     return tuple((getattr(x, "shape", None), str(getattr(x, "dtype", type(x).__name__))) for x in leaves)
 
 
-def _first_line(error: BaseException) -> str:
-    """The line that says what went wrong: the first, or for an error that carries a Python
-    traceback in its text (a failed host callback), the last."""
-    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
-    if len(lines) > 1 and lines[0].endswith("Traceback (most recent call last):"):
-        return f"{type(error).__name__}: {lines[0].removesuffix('Traceback (most recent call last):')}{lines[-1]}"
-    return f"{type(error).__name__}: {lines[0] if lines else '(no message)'}"
-
-
 class Run:
     """One call of an interpreted kernel, under the settings in force at the call."""
 
@@ -185,7 +176,7 @@ class Run:
             except Exception as error:
                 failures.append((name, error, "failed"))
                 continue
-            tried = (*(f"{n}: {when} ({_first_line(e)})" for n, e, when in failures), f"{name}: ok")
+            tried = (*(f"{n}: {when} ({_diagnostics.first_line(e)})" for n, e, when in failures), f"{name}: ok")
             if not self.eager:
                 self._settle(key, (name, tried))
                 self._commit(name, tried)
@@ -218,10 +209,10 @@ class Run:
             self._settle(key, (name, tried))
             self._commit(name, tried)
             return out
-        if len({_first_line(error) for _, error, _ in failures}) == 1:
+        if len({_diagnostics.first_line(error) for _, error, _ in failures}) == 1:
             # Every interpreter failed the same way: the kernel's own error (a shape mismatch, a bad
             # index). The real call runs with the first candidate and raises it unchanged.
-            tried = tuple(f"{n}: {when} ({_first_line(e)})" for n, e, when in failures)
+            tried = tuple(f"{n}: {when} ({_diagnostics.first_line(e)})" for n, e, when in failures)
             self._settle(key, (names[0], tried))
             return self._run(names[0], args, kwargs, tried=tried)
         raise _diagnostics.no_interpreter(
@@ -307,7 +298,7 @@ class Run:
                 kernel=self.kernel.info,
                 interpreter=name,
                 why=self.candidates.reason,
-                tried=[(n, _first_line(e), when) for n, e, when in failures],
+                tried=[(n, _diagnostics.first_line(e), when) for n, e, when in failures],
             ),
         )
 
