@@ -204,8 +204,7 @@ def kernel_facts(entry_point: str, body: object, kwargs: Mapping[str, Any], mesh
     sources: list[tuple[str, object]] = [("compiler_params", p) for p in params_objects if p is not None]
     sources += [("mesh", mesh), ("grid_spec", grid_spec), ("backend", kwargs.get("backend"))]
     # A block spec's memory space (pltpu.HBM, pltpu.SMEM, ...) says which hardware it was written for.
-    specs = [kwargs.get("in_specs"), kwargs.get("out_specs")]
-    sources += [("block spec memory space", getattr(leaf, "memory_space", None)) for leaf in _leaves(specs)]
+    sources += [("block spec memory space", space) for space in _block_spec_spaces(kwargs)]
     # A scratch shape's own type may be generic (pallas core); its memory space or dtype is not.
     sources += [
         ("scratch shapes", part)
@@ -260,13 +259,19 @@ _PLAIN_RISKY_NAMES = frozenset(
 _PLAIN_RISKY_SPACES = ("ANY", "HBM", "SEMAPHORE", "HOST")  # DMA territory; SMEM and VMEM are arrays
 
 
+def _block_spec_spaces(kwargs: Mapping[str, Any]) -> list[object]:
+    """The memory spaces of the kernel's block specs (given directly or in its grid spec)."""
+    grid_spec = kwargs.get("grid_spec")
+    specs = [kwargs.get("in_specs"), kwargs.get("out_specs")]
+    specs += [getattr(grid_spec, "in_specs", None), getattr(grid_spec, "out_specs", None)]
+    return [getattr(leaf, "memory_space", None) for leaf in _leaves(specs)]
+
+
 def _plain_risk(body: object, kwargs: Mapping[str, Any], scratch: object) -> str | None:
     """Why the plain interpreter may not lower this Mosaic-TPU kernel (then it is verified)."""
     if _under_jit(body):
         return "its body is a jax.jit function"
-    grid_spec = kwargs.get("grid_spec")
-    specs = [kwargs.get("in_specs"), kwargs.get("out_specs"), getattr(grid_spec, "in_specs", None)]
-    spaces = [getattr(leaf, "memory_space", None) for leaf in _leaves([*specs, getattr(grid_spec, "out_specs", None)])]
+    spaces = _block_spec_spaces(kwargs)
     for leaf in _leaves(scratch):
         if _is_semaphore(leaf):
             return "it allocates a semaphore"
