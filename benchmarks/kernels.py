@@ -7,9 +7,7 @@ later calls are timed: the guard (``interpreter=auto``) interleaved with the fas
 mode (``plain``/``tpu``/``gpu``), giving the row's ratio guard / best (target <= 1.05), plus JAX's
 own ``pltpu.force_tpu_interpret_mode()`` for comparison.
 
-Row 4b reports (no target) what ``PALLAS_GUARD_CHECKS=bounds`` costs: per kernel, the median time
-with the check over the median time in the plain interpreter, and the median of those ratios over
-the corpus. A kernel the check cannot apply to runs unchecked in plain (a ratio near 1).
+Row 4b (what ``PALLAS_GUARD_CHECKS=bounds`` costs) is ``benchmarks/bounds.py``.
 
 ``rows(quick=...)`` is what ``benchmarks/run.py`` calls; ``python benchmarks/kernels.py`` prints
 the table (and forces 4 host devices so the multi-device all-gather kernel runs too).
@@ -117,22 +115,6 @@ def _median_seconds(function: Callable[[], Any], repeats: int) -> float:
 
 
 QUICK_CASES = frozenset({"gpu.softmax", "tpu.example_kernel.double"})
-BOUNDS_ROW = "4b. bounds: PALLAS_GUARD_CHECKS=bounds vs plain, median over the corpus (reported, no target)"
-
-
-def _bounds_row(costs: dict[str, tuple[float, str]], failures: dict[str, str]) -> Row:
-    """Row 4b from each kernel's (bounds time / plain time, interpreter the check chose)."""
-    if not costs:
-        return Row(BOUNDS_ROW, None, note=f"no kernel ran with the check: {failures}")
-    per_kernel = "; ".join(f"{name} {ratio:.1f}x ({chosen})" for name, (ratio, chosen) in costs.items())
-    failed = "; ".join(f"{name} fails ({why})" for name, why in failures.items())
-    return Row(
-        BOUNDS_ROW,
-        statistics.median(ratio for ratio, _ in costs.values()),
-        pairs=len(costs),
-        detail="; ".join(filter(None, [per_kernel, failed])),
-        note="n = kernels",
-    )
 
 
 def rows(*, quick: bool = False, pairs: int | None = None) -> list[Row]:
@@ -148,8 +130,6 @@ def rows(*, quick: bool = False, pairs: int | None = None) -> list[Row]:
     # every mode, TPU interpret mode above all, is what takes the time).
     selected = [case for case in cases() if not quick or case.name in QUICK_CASES]
     was_installed = pallas_guard._install.status().requested
-    bounds_costs: dict[str, tuple[float, str]] = {}
-    bounds_failures: dict[str, str] = {}
     for case in selected:
         if case.xfail or case.skip_reason():
             continue
@@ -177,13 +157,6 @@ def rows(*, quick: bool = False, pairs: int | None = None) -> list[Row]:
             for mode in FORCED
         )
         jax_tpu_text = f"{_median_seconds(jax_tpu, 3) * 1e3:.1f} ms" if jax_tpu is not None else "fails"
-        if "plain" in seconds:
-            bounds, why, checked_in = _compile_choosing(case, "bounds")
-            if bounds is None:
-                bounds_failures[case.name] = why
-            else:
-                ratio = _median_seconds(bounds, 3 if quick else 5) / seconds["plain"]
-                bounds_costs[case.name] = (ratio, checked_in)
         result.append(
             Row(
                 name,
@@ -199,7 +172,6 @@ def rows(*, quick: bool = False, pairs: int | None = None) -> list[Row]:
                 ),
             )
         )
-    result.append(_bounds_row(bounds_costs, bounds_failures))
     pallas_guard._settings.reset()  # the interpreters and checks the modes pinned: rows after see none
     if was_installed:
         pallas_guard.install()

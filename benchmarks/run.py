@@ -38,6 +38,7 @@ GROUPS: dict[str, tuple[str, str]] = {
     "pallas_import": ("pallas_import", "2. import jax.experimental.pallas, guard active vs not"),
     "trace": ("trace", "3. trace: distinct pallas_calls, guard vs interpret=True"),
     "kernels": ("kernels", "4. interpreted kernel speed, guard vs best hand-forced interpreter"),
+    "bounds": ("bounds", "4b. bounds check: PALLAS_GUARD_CHECKS=bounds vs the plain interpreter"),
     "first_call": ("first_call", "4c. first call (build, trace, verify, compile, run), guard vs best forced"),
     "steady": ("steady", "5. steady: jitted fn with a guarded kernel vs interpret=True"),
 }

@@ -380,12 +380,51 @@ def over_budget(
     return error
 
 
-def bounds_error(error: BaseException, *, kernel: KernelInfo, call_site: CallSite) -> PallasGuardError:
-    """The bounds check found a read outside a buffer (the plain interpreter would have clamped it)."""
-    finding = next((line.strip() for line in str(error).splitlines() if "Out-of-bounds read" in line), "")
+FINDING = "pallas_guard: an out-of-bounds "
+"""How every bounds finding begins: found again in the text of the JAX error that carries it."""
+
+
+def bounds_finding(finding: str, *, kernel: KernelInfo, call_site: CallSite) -> PallasGuardError:
+    """The bounds check found an access outside a buffer (the plain interpreter would have clamped
+    it). ``finding`` says which access: ``read [20:28] of a float32[24] buffer at k.py:9 (...)``."""
+    what = "block copy" if finding.startswith("block copy") else finding.split(" [", maxsplit=1)[0]
     return PallasGuardError(
-        f"pallas_guard: an out-of-bounds read in {_describe(kernel, call_site)}, found by the bounds check "
-        f"({CHECKS_ENV}=bounds; the plain interpreter would have clamped it silently): {finding}"
+        f"{FINDING}{what} in {_describe(kernel, call_site)}, found by the bounds check "
+        f"({CHECKS_ENV}=bounds; the interpreter would have clamped it silently): {finding}"
+    )
+
+
+def unchecked_bounds(kernel: KernelInfo, call_site: CallSite, *, why: str) -> None:
+    """The bounds check could not be applied to a kernel that runs without it: say so."""
+    _warn_at(
+        call_site,
+        f"pallas_guard: {_describe(kernel, call_site)} runs unchecked: the bounds check ({CHECKS_ENV}=bounds) "
+        f"could not be applied to it ({why})",
+    )
+
+
+def finding_in(error: BaseException) -> PallasGuardError | None:
+    """The plain interpreter's bounds finding ``error`` carries, as the guard's own error: raised
+    from a host callback, it reaches the caller inside JAX's runtime error (its line kept)."""
+    for line in str(error).splitlines():
+        start = line.find(FINDING)
+        if start >= 0:
+            return PallasGuardError(line[start:].strip())
+    return None
+
+
+def bounds_error(error: BaseException, *, kernel: KernelInfo, call_site: CallSite) -> PallasGuardError | None:
+    """A bounds finding ``error`` carries: the plain interpreter's, or TPU interpret mode's ("Out-of-bounds
+    read"), as the guard's own error; None if it carries none."""
+    found = finding_in(error)
+    if found is not None:
+        return found
+    finding = next((line.strip() for line in str(error).splitlines() if "Out-of-bounds read" in line), None)
+    if finding is None:
+        return None
+    return PallasGuardError(
+        f"{FINDING}read in {_describe(kernel, call_site)}, found by the bounds check "
+        f"({CHECKS_ENV}=bounds; the interpreter would have clamped it silently): {finding}"
     )
 
 

@@ -20,7 +20,7 @@ import dataclasses
 from collections.abc import Callable, Hashable
 from typing import Any
 
-from . import _act, _diagnostics, _internals, _interpreters, _plan, _settings
+from . import _act, _bounds, _diagnostics, _internals, _interpreters, _plan, _settings
 from ._enums import Policy
 from ._errors import PallasGuardError
 from ._kernel import Kernel
@@ -95,7 +95,10 @@ class Run:
         def build() -> tuple[Any, Any]:
             value = interpret_value(name, self.candidates, cores=self.tpu_cores)
             if value is None:  # plain: the kernel as built, the net substitutes the interpreter
-                return self.kernel.build(), None
+                # An eager bounds-checked call is marked: JAX keeps one executable per equation,
+                # and the checked one must not be reused for an unchecked call (or the reverse).
+                checked = self.eager and name == "plain" and "bounds" in self.candidates.checked
+                return self.kernel.build(marks=_bounds.MARK if checked else None), None
             self.ledger.mark_injected(value)
             return self.kernel.build(value), value
 
@@ -112,7 +115,7 @@ class Run:
     def _memo(self, key: tuple[Hashable, ...], make: Callable[[], Any]) -> Any:
         """What ``make`` gives, once per kernel object, ``key`` and the settings that shape it."""
         c = self.candidates
-        key = (*key, c.detect_races, c.checked, c.eager_dmas, self.tpu_cores)
+        key = (*key, c.detect_races, c.checked, c.eager_dmas, self.tpu_cores, self.eager)
         with self.kernel.lock:
             known = self.kernel.variants.get(key)
         if known is None:
@@ -269,7 +272,7 @@ class Run:
     def _finding(self, error: BaseException) -> PallasGuardError | None:
         """A check's finding (the kernel's fault, which no other interpreter must hide), as the
         guard's own error."""
-        if "bounds" in self.candidates.checked and "Out-of-bounds read" in str(error):
+        if "bounds" in self.candidates.checked:
             return _diagnostics.bounds_error(error, kernel=self.kernel.info, call_site=self.call_site)
         return None
 

@@ -97,13 +97,15 @@ def at_call(
         eager=not _internals.tracing(),
     )
     plan = _plan.plan(situation)
-    if plan.action is _plan.Action.UNTOUCHED:
-        return run_as_built(*args, **kwargs)
-    if plan.action is _plan.Action.DEFER:
+    if plan.action in (_plan.Action.UNTOUCHED, _plan.Action.DEFER):
         try:
             with installation.ledger.calling(kernel.info):
                 return run_as_built(*args, **kwargs)
         except Exception as error:
+            # An eager call ran here: the net's bounds check raised its finding inside JAX's error.
+            finding = _diagnostics.finding_in(error)
+            if finding is not None:
+                raise finding from error
             note_which_accelerator(error)
             raise
     call_site = _diagnostics.user_call_site()

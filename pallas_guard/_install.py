@@ -56,6 +56,8 @@ class Installation:
         self.failure: str | None = None
         self.patches: list[_Patch] = []
         self.rules: list[Any] = []
+        self.hooks: list[Any] = []
+        """JAX functions the bounds check wraps (``_bounds.Hook``), added at its first use."""
         # Lowering net -> why it is not installed. The front door reads it: where the net is missing
         # it refuses with a diagnostic instead of deferring to a net that is not there.
         self.net_gaps: dict[str, str] = {}
@@ -133,6 +135,8 @@ class Installation:
             self.patches.pop().restore()
         while self.rules:
             self.rules.pop().remove()
+        while self.hooks:
+            self.hooks.pop().remove()
         self.net_gaps.clear()
 
     # --- what is installed -----------------------------------------------------------------------

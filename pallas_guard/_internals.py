@@ -15,7 +15,7 @@ import sys
 import threading
 import types
 from collections.abc import Callable, Iterable, Mapping, MutableMapping
-from typing import Any
+from typing import Any, NamedTuple
 
 from ._errors import PallasGuardWarning
 
@@ -458,3 +458,111 @@ def inside_lowering() -> bool:
     """True while JAX lowers (a kernel traced from another primitive's lowering rule, e.g. a PRNG
     implementation): an interpreter that adds effects at trace time cannot be used there."""
     return running_in(_LOWERING_MODULES)
+
+
+# --- the bounds check on the plain interpreter ----------------------------------------------------
+
+_STATE_DISCHARGE = "jax._src.state.discharge"
+
+
+class DischargeRegistry(NamedTuple):
+    """One of JAX's tables of state discharge rules, and how many positional arguments come before
+    a rule's operands: ``ctx`` (jax >= 0.11.2); ``in_avals, out_avals`` before; partial rules
+    (before 0.11.2) take ``should_discharge`` first."""
+
+    rules: MutableMapping[Any, Any]
+    leading: int
+
+
+def discharge_registries() -> list[DischargeRegistry]:
+    module = import_optional(_STATE_DISCHARGE)
+    if module is None:
+        return []
+    found = []
+    rules = getattr(module, "_discharge_rules", None)
+    if isinstance(rules, MutableMapping):
+        found.append(DischargeRegistry(rules, 1 if hasattr(module, "DischargeContext") else 2))
+    partial_rules = getattr(module, "_partial_discharge_rules", None)
+    if isinstance(partial_rules, MutableMapping):
+        found.append(DischargeRegistry(partial_rules, 3))
+    return found
+
+
+class RefAccess(NamedTuple):
+    """A primitive that reads or writes refs, as its discharge rule receives it."""
+
+    primitive: Any
+    kind: str
+    """``read``, ``write`` or ``copy`` (a DMA: its source read, its destination written)."""
+    tree_param: str
+    """The parameter holding the operands' tree structure."""
+    leading: int
+    """Operands before the flattened tree (the ref; the ref and the value written)."""
+    mask_at: int | None = None
+    """Where the mask is in the unflattened operands (masked loads and stores), or None."""
+
+
+_REF_ACCESSES = (
+    # (module, primitive, kind, tree parameter, operands before the tree, mask position)
+    ("jax._src.state.primitives", "get_p", "read", "tree", 1, None),
+    ("jax._src.state.primitives", "swap_p", "write", "tree", 2, None),
+    ("jax._src.state.primitives", "addupdate_p", "write", "tree", 2, None),
+    ("jax._src.pallas.primitives", "load_p", "read", "args_tree", 0, 2),
+    ("jax._src.pallas.primitives", "swap_p", "write", "args_tree", 0, 3),
+    ("jax._src.pallas.primitives", "atomic_rmw_p", "write", "args_tree", 0, 3),
+    ("jax._src.pallas.triton.primitives", "atomic_rmw_p", "write", "args_tree", 0, 3),
+    ("jax._src.pallas.mosaic.primitives", "dma_start_p", "copy", "tree", 0, None),
+)
+
+
+def ref_accesses() -> list[RefAccess]:
+    """The ref-access primitives of the modules already imported (a kernel using one has imported
+    its module before it is lowered)."""
+    found: dict[int, RefAccess] = {}
+    for module_name, name, kind, tree_param, leading, mask_at in _REF_ACCESSES:
+        primitive = getattr(sys.modules.get(module_name), name, None)
+        if primitive is not None and id(primitive) not in found:
+            found[id(primitive)] = RefAccess(primitive, kind, tree_param, leading, mask_at)
+    return list(found.values())
+
+
+def nd_indexer_class() -> type[Any] | None:
+    cls = first_attribute([("jax._src.state.indexing", "NDIndexer")])
+    return cls if isinstance(cls, type) else None
+
+
+def slice_class() -> type[Any] | None:
+    cls = first_attribute([("jax._src.state.indexing", "Slice")])
+    return cls if isinstance(cls, type) else None
+
+
+def plain_interpreter() -> Callable[..., Any] | None:
+    """JAX's plain (HLO) interpreter of one ``pallas_call`` equation: called with the equation's
+    operands and its parameters less ``interpret``, as JAX's own lowering rule calls it."""
+    found = getattr(hlo_interpreter_module(), "pallas_call_hlo_interpret", None)
+    return found if callable(found) else None
+
+
+def hlo_interpreter_module() -> types.ModuleType | None:
+    return import_optional("jax._src.pallas.hlo_interpreter")
+
+
+BLOCK_COPY = "_dynamic_slice"
+"""The plain interpreter's copy of a block in at each grid step (a module function it calls by name)."""
+
+
+def access_site() -> tuple[str, int, str] | None:
+    """``(file, line, function)`` of the kernel code that made the access being discharged: the
+    innermost frame outside jax's internals and the guard (JAX's own kernels count: they live
+    outside ``jax/_src``)."""
+    source_info = sys.modules.get("jax._src.source_info_util")
+    traceback = getattr(getattr(source_info, "current", lambda: None)(), "traceback", None)
+    if traceback is None:
+        return None
+    internal = (f"{os.sep}jax{os.sep}_src{os.sep}", _PACKAGE_DIR + os.sep, "<frozen")
+    for frame in getattr(traceback, "frames", ()):
+        filename = str(getattr(frame, "file_name", ""))
+        if filename and not any(part in filename for part in internal):
+            line = getattr(frame, "line_num", None) or getattr(frame, "start_line", 0)
+            return filename, int(line or 0), str(getattr(frame, "function_name", ""))
+    return None

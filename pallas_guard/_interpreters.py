@@ -392,17 +392,21 @@ def candidates(
     (``Candidates.checks_note`` says why, or says what a check that moved the kernel off the plain
     interpreter costs).
     """
+    bounds = frozenset(checks & {"bounds"})  # every interpreter checks bounds: see below
     if inside_lowering:
         # Traced from another primitive's lowering rule: TPU/GPU params would need effect tokens
         # that lowering has no place for (KeyError: OrderedIOEffect); the net's plain one works.
         chosen = PLAIN_ONLY._replace(reason="traced during lowering, where only the plain interpreter can be used")
-        return chosen._replace(checks_note=_unchecked(checks, chosen.reason))
+        return chosen._replace(checked=bounds, checks_note=_unchecked(checks - bounds, chosen.reason))
     forced = setting.value
     chosen = _by_facts(setting, facts)
     checking = None
-    if checks and forced in (Interpreter.AUTO, Interpreter.TPU) and facts.family in (None, "mosaic_tpu"):
+    # Races are found only by TPU interpret mode and the Mosaic-GPU interpreter: the check moves a
+    # kernel there. Bounds are checked wherever the kernel runs: the plain interpreter by the
+    # guard's index checks (at its own speed), the other two by their own out-of-bounds check.
+    if "races" in checks and forced in (Interpreter.AUTO, Interpreter.TPU) and facts.family in (None, "mosaic_tpu"):
         checking = "tpu"
-    elif checks and forced in (Interpreter.AUTO, Interpreter.GPU) and facts.family == "mosaic_gpu":
+    elif "races" in checks and forced in (Interpreter.AUTO, Interpreter.GPU) and facts.family == "mosaic_gpu":
         checking = "gpu"
     if checking is not None:
         listed = ", ".join(sorted(checks))
@@ -411,26 +415,27 @@ def candidates(
             # The only cost a check adds that the user may not expect: tens to hundreds of times the
             # plain interpreter's time on JAX's TPU kernels (benchmarks/run.py, row 4b).
             slower = (
-                f"runs in {describe_interpreter(checking)} for the {listed} check (from {checks_from}), much "
+                f"runs in {describe_interpreter(checking)} for the races check (from {checks_from}), much "
                 "slower than the plain interpreter it runs in unchecked (tens to hundreds of times on "
                 f"JAX's TPU kernels); for affordable CI use small shapes, or bound it with {MAX_STEPS_ENV}"
             )
         return Candidates(
             (checking,),
             f"{describe_interpreter(checking)}, which checks {listed} (from {checks_from})",
-            detect_races="races" in checks,
+            detect_races=True,
             eager_dmas=checking == "tpu" and facts.cross_device is not None,
             checked=checks,
             checks_note=slower,
         )
-    if checks:
+    chosen = chosen._replace(checked=bounds)
+    if "races" in checks:
         why = (
             f"interpreter {forced.value!r} is forced by {setting.source}"
             if forced is not Interpreter.AUTO
             else f"{_FAMILY_NAMES.get(facts.family or '', 'these')} kernels run in the plain interpreter, "
-            "which checks neither races nor out-of-bounds reads"
+            "which cannot detect races"
         )
-        chosen = chosen._replace(checks_note=_unchecked(checks, why))
+        chosen = chosen._replace(checks_note=_unchecked(checks - bounds, why))
     return chosen
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import inspect
 import threading
 import types
 from collections.abc import Callable, Hashable, Mapping
@@ -72,18 +73,28 @@ class Kernel:
         except _Unstable:
             return None
 
-    def build(self, interpret: Any = None) -> Any:
+    def build(self, interpret: Any = None, *, marks: dict[str, str] | None = None) -> Any:
         """This kernel as the entry point builds it with ``interpret`` (its compiler_params adjusted
         for the interpreter; None: as the user built it); a decorator form is applied to its body
-        (for ``core_map``: run)."""
+        (for ``core_map``: run). ``marks``: added to its ``metadata``, where the entry point takes one."""
         kwargs = dict(self.kwargs)
         if interpret is not None:
             kwargs["interpret"] = interpret
+        if marks and _takes_metadata(self.original):
+            kwargs["metadata"] = {**(kwargs.get("metadata") or {}), **marks}
         if _internals.interpreter_of(interpret) == "tpu" and self.facts.family in ("triton", "mosaic_gpu"):
             # TPU interpret mode accepts only TPU compiler_params; these are hints for another compiler.
             kwargs["compiler_params"] = None
         built = self.original(*self.args, **kwargs)
         return built(self.decorated) if self.decorated is not None else built
+
+
+@functools.lru_cache(maxsize=64)
+def _takes_metadata(entry_point: Any) -> bool:
+    try:
+        return "metadata" in inspect.signature(entry_point).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 # --- identity --------------------------------------------------------------------------------------

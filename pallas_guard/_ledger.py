@@ -132,6 +132,7 @@ class Guarding(Protocol):
 
     active: bool
     ledger: Ledger
+    hooks: list[Any]
 
     def is_active(self) -> bool: ...
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from . import _act, _diagnostics, _internals, _plan, _settings, _target
+from . import _act, _bounds, _diagnostics, _internals, _plan, _settings, _target
+from ._enums import Policy
 from ._ledger import Guarding
 
 LoweringRule = Callable[..., Any]
@@ -19,6 +20,18 @@ LoweringRule = Callable[..., Any]
 
 def make_cpu_rule(entry_point: str, delegate: LoweringRule, installation: Guarding) -> LoweringRule:
     """A CPU rule that plans for the kernel, carries the plan out, then hands over to JAX's own rule."""
+
+    def who(ctx: Any, params: dict[str, Any]) -> tuple[_diagnostics.KernelInfo, _diagnostics.CallSite]:
+        """The kernel being lowered, and where the user called it."""
+        # An eager call can leave the equation without user frames; then the Python stack, which
+        # lowers inside the user's call, names the line that ran it.
+        call_site = _diagnostics.call_site_of(_internals.lowering_frames(ctx))
+        if not call_site.is_users:
+            on_stack = _diagnostics.user_call_site()
+            if on_stack.is_users:  # the library frame the equation recorded stays beside it
+                call_site = on_stack._replace(via=on_stack.via or call_site.via or call_site.user)
+        kernel = installation.ledger.called() or _diagnostics.kernel_from_params(params, entry_point=entry_point)
+        return kernel, call_site
 
     def pallas_guard_cpu_rule(ctx: Any, *in_nodes: Any, **params: Any) -> Any:
         __tracebackhide__ = True
@@ -29,7 +42,9 @@ def make_cpu_rule(entry_point: str, delegate: LoweringRule, installation: Guardi
         if ledger.verifying():
             # The front door lowers a candidate on trial, or runs an eager plain call it records
             # itself: the plain interpreter, silently.
-            return delegate(ctx, *in_nodes, **{**params, "interpret": interpret or True})
+            if interpret:
+                return delegate(ctx, *in_nodes, **params)
+            return lower_plain(ctx, in_nodes, params, who=lambda: who(ctx, params))
         policy = _settings.current_policy()
         budget = _settings.max_steps()
         situation = _plan.Situation(
@@ -43,16 +58,12 @@ def make_cpu_rule(entry_point: str, delegate: LoweringRule, installation: Guardi
         )
         plan = _plan.plan(situation)
         if plan.record or plan.action is not _plan.Action.UNTOUCHED:
-            # An eager call can leave the equation without user frames; then the Python stack, which
-            # lowers inside the user's call, names the line that ran it.
-            call_site = _diagnostics.call_site_of(_internals.lowering_frames(ctx))
-            if not call_site.is_users:
-                on_stack = _diagnostics.user_call_site()
-                if on_stack.is_users:  # the library frame the equation recorded stays beside it
-                    call_site = on_stack._replace(via=on_stack.via or call_site.via or call_site.user)
-            kernel = ledger.called() or _diagnostics.kernel_from_params(params, entry_point=entry_point)
+            kernel, call_site = who(ctx, params)
             untouched = plan.action is _plan.Action.UNTOUCHED
             tried, notes = ledger.left_to_net(kernel) if plan.action is _plan.Action.INTERPRET else ((), ())
+            unchecked = _bounds.unchecked_reason(entry_point, params) if bounds_wanted(params) else None
+            if unchecked is not None and not untouched:
+                notes = (*notes, f"runs unchecked: bounds could not be checked: {unchecked}")
             _act.carry_out(
                 plan,
                 layer="lowering",
@@ -68,13 +79,35 @@ def make_cpu_rule(entry_point: str, delegate: LoweringRule, installation: Guardi
             )
         if plan.action is _plan.Action.INTERPRET:
             try:
-                return delegate(ctx, *in_nodes, **{**params, "interpret": True})
+                return lower_plain(ctx, in_nodes, params, who=lambda: who(ctx, params))
             except Exception as error:
                 # Only the front door, at the call, can choose another interpreter: say which.
                 family = _internals.equation_family(params)
-                _diagnostics.add_note(error, _diagnostics.plain_failed_at_lowering(kernel, family=family))
+                _diagnostics.add_note(error, _diagnostics.plain_failed_at_lowering(who(ctx, params)[0], family=family))
                 raise
+        if interpret is True and policy.value is not Policy.OFF:
+            # The user's own plain interpreter: checked like the guard's (the check changes no value).
+            return lower_plain(ctx, in_nodes, params, who=lambda: who(ctx, params))
         return delegate(ctx, *in_nodes, **params)
+
+    def lower_plain(ctx: Any, in_nodes: tuple[Any, ...], params: dict[str, Any], *, who: Callable[[], Any]) -> Any:
+        """The plain interpreter, with the bounds check where it is in force."""
+        plain = {**params, "interpret": True}
+        if not bounds_wanted(params) or _bounds.unchecked_reason(entry_point, params) is not None:
+            return delegate(ctx, *in_nodes, **plain)  # the record of an unchecked kernel says why
+        kernel, call_site = who()
+        try:
+            lowered = _bounds.lower(ctx, in_nodes, plain, kernel=kernel, call_site=call_site, hooks=installation.hooks)
+        except Exception as error:
+            # The kernel's own failure fails again below, unchecked, as JAX raises it. Anything else
+            # is the check's: the kernel runs unchecked, and a warning says so.
+            lowered = delegate(ctx, *in_nodes, **plain)
+            _diagnostics.unchecked_bounds(kernel, call_site, why=_diagnostics.first_line(error))
+        return lowered if lowered is not None else delegate(ctx, *in_nodes, **plain)
+
+    def bounds_wanted(params: dict[str, Any]) -> bool:
+        """In force here, or marked by the front door where the kernel was called."""
+        return "bounds" in _settings.current("checks").value or _bounds.marked(params)
 
     pallas_guard_cpu_rule.__qualname__ = f"pallas_guard_cpu_rule[{entry_point}]"
     return pallas_guard_cpu_rule

@@ -73,4 +73,4 @@ def test_run_rejects_an_unknown_row() -> None:
     )
     assert completed.returncode == 2
     assert "'nope'" in completed.stderr
-    assert "startup, pallas_import, trace, kernels, first_call, steady" in completed.stderr
+    assert "startup, pallas_import, trace, kernels, bounds, first_call, steady" in completed.stderr

@@ -1,0 +1,437 @@
+"""The bounds check on the plain interpreter: an index check at every access, at its speed.
+
+The plain interpreter turns a kernel into XLA operations: each ref access is discharged to a
+``dynamic_slice``/``dynamic_update_slice`` (or a gather/scatter), and each grid step copies blocks
+in and out the same way; all of them clamp an out-of-range index silently. While the lowering net
+lowers a kernel in the plain interpreter with ``bounds`` in force, the discharge rules of the access
+primitives (wrapped while the guard is installed, acting only then) put a ``checkify.check`` before
+each access: its element range against the buffer it indexes, element by element where the access
+is masked (masked-off elements are never findings). The block copies get the same check (an index
+map or scalar-prefetch value that points outside its array). The interpreter runs under
+``checkify.checkify``, which carries the first failed check through the grid loop; one host callback
+per kernel call raises it as ``PallasGuardError``. The checks read indices and change no value: a
+kernel without a finding returns what the unchecked plain interpreter returns, bit for bit.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import functools
+import itertools
+import linecache
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+from . import _diagnostics, _internals
+from ._diagnostics import CallSite, KernelInfo
+from ._errors import PallasGuardError
+
+
+@dataclasses.dataclass(frozen=True)
+class _Checking:
+    """What the checks of one kernel's lowering need beyond the access itself."""
+
+    blocks: tuple[tuple[tuple[int, ...], tuple[int, ...], str], ...]
+    """(block shape, array shape, name) of each block-specified operand, to name a block copy."""
+    copies: Iterator[int] = dataclasses.field(default_factory=itertools.count)
+
+
+MARK = {"pallas_guard.checks": "bounds"}
+"""The ``metadata`` of a kernel the front door built for an eager bounds-checked call (the plain
+interpreter ignores metadata; it keeps that equation, and its executable, apart)."""
+
+
+def marked(params: dict[str, Any]) -> bool:
+    metadata = params.get("metadata") or {}
+    return all(metadata.get(key) == value for key, value in MARK.items())
+
+
+_checking: contextvars.ContextVar[_Checking | None] = contextvars.ContextVar("pallas_guard_bounds", default=None)
+
+
+# --- hooks: JAX's discharge rules and the interpreter's block copies, checking only when asked ---
+
+
+class Hook:
+    """One JAX table entry or module function replaced by a checking wrapper, to put back."""
+
+    def __init__(self, table: Any, key: Any, original: Any, wrapper: Any, *, attribute: bool) -> None:
+        self.table, self.key, self.original, self.wrapper, self.attribute = table, key, original, wrapper, attribute
+
+    def remove(self) -> None:
+        if self.attribute:
+            if getattr(self.table, self.key, None) is self.wrapper:
+                setattr(self.table, self.key, self.original)
+        elif self.table.get(self.key) is self.wrapper:
+            self.table[self.key] = self.original
+
+
+_hooking = threading.Lock()
+
+
+def hook(hooks: list[Any]) -> None:
+    """Wrap what is not wrapped yet (modules imported since the last call bring new primitives)."""
+    with _hooking:
+        _hook_locked(hooks)
+
+
+def _hook_locked(hooks: list[Any]) -> None:
+    hooked = {(h.table if isinstance(h.table, str) else id(h.table), h.key) for h in hooks}
+    for registry in _internals.discharge_registries():
+        for access in _internals.ref_accesses():
+            rule = registry.rules.get(access.primitive)
+            if rule is None or (id(registry.rules), access.primitive) in hooked:
+                continue
+            wrapper = _checking_rule(rule, access, registry.leading)
+            registry.rules[access.primitive] = wrapper
+            hooks.append(Hook(registry.rules, access.primitive, rule, wrapper, attribute=False))
+    if ("logging", _CALLBACK_LOGGER) not in hooked:
+        hooks.append(_QuietFindings())
+    module = _internals.hlo_interpreter_module()
+    copy = getattr(module, _internals.BLOCK_COPY, None)
+    if callable(copy) and (id(module), _internals.BLOCK_COPY) not in hooked:
+        wrapper = _checking_block_copy(copy)
+        setattr(module, _internals.BLOCK_COPY, wrapper)
+        hooks.append(Hook(module, _internals.BLOCK_COPY, copy, wrapper, attribute=True))
+
+
+_CALLBACK_LOGGER = "jax._src.callback"
+
+
+class _QuietFindings(logging.Filter):
+    """JAX logs every exception a host callback raises, traceback and all, then raises it: a
+    finding reaches the caller in that error; logged as well, it would be said twice."""
+
+    table, key = "logging", _CALLBACK_LOGGER
+
+    def __init__(self) -> None:
+        super().__init__()
+        logging.getLogger(_CALLBACK_LOGGER).addFilter(self)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        raised = record.exc_info[1] if record.exc_info else None
+        return not (isinstance(raised, PallasGuardError) and str(raised).startswith(_diagnostics.FINDING))
+
+    def remove(self) -> None:
+        logging.getLogger(_CALLBACK_LOGGER).removeFilter(self)
+
+
+def _checking_rule(rule: Callable[..., Any], access: _internals.RefAccess, leading: int) -> Callable[..., Any]:
+    def pallas_guard_checked_discharge(*args: Any, **params: Any) -> Any:
+        if _checking.get() is not None:
+            _check_access(access, args[leading:], params)
+        return rule(*args, **params)
+
+    return pallas_guard_checked_discharge
+
+
+def _checking_block_copy(copy: Callable[..., Any]) -> Callable[..., Any]:
+    def pallas_guard_checked_block_copy(start: Any, block_shape: Any, value: Any, *rest: Any) -> Any:
+        checking = _checking.get()
+        if checking is not None:
+            _check_block(checking, start, tuple(block_shape), value)
+        return copy(start, block_shape, value, *rest)
+
+    return pallas_guard_checked_block_copy
+
+
+# --- the checked lowering -------------------------------------------------------------------------
+
+
+def lower(
+    ctx: Any,
+    in_nodes: Sequence[Any],
+    params: dict[str, Any],
+    *,
+    kernel: KernelInfo,
+    call_site: CallSite,
+    hooks: list[Any],
+) -> Any:
+    """Lower one ``pallas_call`` equation in the plain interpreter with bounds checks; None where
+    this jax lacks a piece (the caller lowers it unchecked)."""
+    import jax.numpy as jnp
+    from jax import lax
+    from jax.experimental import checkify, io_callback
+
+    interpreter = _internals.plain_interpreter()
+    lower_fun = _internals.first_attribute([("jax._src.interpreters.mlir", "lower_fun")])
+    if interpreter is None or lower_fun is None or unchecked_reason("pallas_call", params) is not None:
+        return None
+    hook(hooks)
+    grid_mapping = params.get("grid_mapping")
+    state = _Checking(_blocks(grid_mapping))
+    interpret = functools.partial(interpreter, **{k: v for k, v in params.items() if k != "interpret"})
+
+    def checked(*args: Any) -> Any:
+        token = _checking.set(state)
+        try:
+            error, out = checkify.checkify(interpret, errors=checkify.user_checks)(*args)
+        finally:
+            _checking.reset(token)
+        raise_finding = functools.partial(_raise_finding, kernel=kernel, call_site=call_site)
+        # Only a failed check calls back to the host (a call per kernel call would cost more than a
+        # small kernel). Unordered: no effect token, which a lowering rule has no place for.
+        failed = functools.reduce(jnp.logical_or, list(getattr(error, "_pred", {}).values()), jnp.bool_(False))
+        lax.cond(failed, lambda e: io_callback(raise_finding, None, e, ordered=False), lambda e: None, error)
+        return out
+
+    return lower_fun(checked, multiple_results=True)(ctx, *in_nodes)
+
+
+def unchecked_reason(entry_point: str, params: dict[str, Any]) -> str | None:
+    """Why a kernel the plain interpreter runs cannot get the bounds check, or None."""
+    if entry_point != "pallas_call":
+        return f"{entry_point} lowers through its own rule, which the check does not reach"
+    if _internals.plain_interpreter() is None:
+        return "this jax's plain interpreter is not where the guard looks for it"
+    if getattr(params.get("jaxpr"), "constvars", None):
+        return "the kernel captures constants"  # JAX's own rule refuses it
+    return None
+
+
+def _raise_finding(error: Any, *, kernel: KernelInfo, call_site: CallSite) -> None:
+    finding = error.get()
+    if finding:
+        finding = str(finding).splitlines()[0].removesuffix(" (`check` failed)")
+        raise _diagnostics.bounds_finding(finding, kernel=kernel, call_site=call_site)
+
+
+def _blocks(grid_mapping: Any) -> tuple[tuple[tuple[int, ...], tuple[int, ...], str], ...]:
+    found = []
+    for mapping in getattr(grid_mapping, "block_mappings", ()) or ():
+        array = getattr(mapping, "array_shape_dtype", None) or getattr(mapping, "array_aval", None)
+        shape = tuple(getattr(array, "shape", ()))
+        block = tuple(_block_size(b) for b in getattr(mapping, "block_shape", ()))
+        found.append((block, shape, str(getattr(mapping, "origin", "") or "")))
+    return tuple(found)
+
+
+def _block_size(dim: Any) -> int:
+    if isinstance(dim, int):
+        return dim
+    size = getattr(dim, "block_size", None)
+    return size if isinstance(size, int) else 1
+
+
+# --- the checks -----------------------------------------------------------------------------------
+
+
+def _check_access(access: _internals.RefAccess, operands_flat: Sequence[Any], params: dict[str, Any]) -> None:
+    import jax
+
+    tree = params.get(access.tree_param)
+    if tree is None:
+        return
+    flat = list(operands_flat)
+    if access.leading:
+        operands: tuple[Any, ...] = (flat[0], jax.tree_util.tree_unflatten(tree, flat[access.leading :]))
+    else:
+        operands = tuple(jax.tree_util.tree_unflatten(tree, flat))
+    mask = operands[access.mask_at] if access.mask_at is not None and len(operands) > access.mask_at else None
+    site = _site()
+    for ordinal, (ref, transforms) in enumerate(_indexed(operands)):
+        if access.kind == "copy":  # a DMA: source, destination, then semaphores
+            kind = ("DMA read", "DMA write")[ordinal] if ordinal < 2 else "semaphore access"
+        else:
+            kind = access.kind
+        _check_indexed(kind, ref, transforms, mask if ordinal == 0 else None, site)
+
+
+def _indexed(operands: Sequence[Any]) -> Iterator[tuple[Any, tuple[Any, ...]]]:
+    """(ref, its transforms) for each indexed ref among an access's operands: a ``(ref,
+    transforms)`` pair of neighbours, or a transformed-ref object."""
+    indexer = _internals.nd_indexer_class()
+    for position, item in enumerate(operands):
+        transforms = getattr(item, "transforms", None)
+        if transforms is not None and hasattr(item, "ref"):
+            yield item.ref, tuple(transforms)
+        elif position and isinstance(item, tuple | list) and any(isinstance(t, indexer or ()) for t in item):
+            yield operands[position - 1], tuple(item)
+
+
+def _site() -> str:
+    """Where the kernel makes the access: ``file:line (`code`)``."""
+    found = _internals.access_site()
+    if found is None:
+        return "in the kernel body"
+    filename, line, _ = found
+    code = linecache.getline(filename, line).strip()
+    shown = f"{os.path.basename(filename)}:{line}"
+    return f"at {shown} (`{code}`)" if code else f"at {shown}"
+
+
+def _escape(text: str) -> str:
+    return text.replace("{", "{{").replace("}", "}}")
+
+
+def _check_indexed(kind: str, ref: Any, transforms: tuple[Any, ...], mask: Any, site: str) -> None:
+    """Check one access through ``transforms``: composed into element ranges of the buffer where
+    they are slices and integers (a view may overhang where the elements read do not), one
+    indexer at a time otherwise."""
+    indexer_class = _internals.nd_indexer_class()
+    indexers = [t for t in transforms if indexer_class is not None and isinstance(t, indexer_class)]
+    if not indexers:
+        return
+    dtype = str(getattr(ref, "dtype", "")) or "?"
+    composed = _compose(indexers) if len(indexers) == len(transforms) else None
+    if composed is not None:
+        _check_ranges(kind, composed, tuple(indexers[0].shape), dtype=dtype, mask=mask, site=site)
+        return
+    for position, indexer in enumerate(indexers):
+        last = position == len(indexers) - 1
+        single = _compose([indexer])
+        if single is not None:
+            _check_ranges(kind, single, tuple(indexer.shape), dtype=dtype, mask=mask if last else None, site=site)
+        elif mask is None or not last:
+            _check_gather(kind, indexer, dtype, site)
+        # A masked gather-style access: which elements the mask covers is not followed; unchecked.
+
+
+# A base dimension: (offset, stride, size) where a range of it is accessed (size None: an integer
+# index, the dimension dropped).
+_Range = tuple[Any, int, int | None]
+
+
+def _compose(indexers: Sequence[Any]) -> list[_Range] | None:
+    """The element ranges of the buffer a chain of slice/integer indexers accesses, per buffer
+    dimension; None where an indexer has index arrays or a dynamic size."""
+    slice_class = _internals.slice_class()
+    ranges: list[_Range] = [(0, 1, n) for n in indexers[0].shape]
+    for indexer in indexers:
+        view = [d for d, (_, _, size) in enumerate(ranges) if size is not None]
+        if len(view) != len(indexer.indices):
+            return None
+        for dim, index in zip(view, indexer.indices, strict=True):
+            offset, stride, _ = ranges[dim]
+            if slice_class is not None and isinstance(index, slice_class):
+                size, step = index.size, getattr(index, "stride", 1)
+                if not isinstance(size, int) or not isinstance(step, int):
+                    return None
+                ranges[dim] = (offset + stride * _as_index(index.start), stride * step, size)
+            elif getattr(index, "shape", ()) == ():
+                ranges[dim] = (offset + stride * _as_index(index), stride, None)
+            else:
+                return None
+    return ranges
+
+
+def _as_index(value: Any) -> Any:
+    import jax.numpy as jnp
+
+    return value if isinstance(value, int) else jnp.asarray(value).astype(jnp.int32)
+
+
+def _check_ranges(kind: str, ranges: list[_Range], shape: tuple[int, ...], *, dtype: str, mask: Any, site: str) -> None:
+    import jax.numpy as jnp
+
+    first = [jnp.asarray(offset, jnp.int32) for offset, _, _ in ranges]
+    last = [first[d] + stride * (size - 1) if size else first[d] for d, (_, stride, size) in enumerate(ranges)]
+    if mask is None:
+        inside = [
+            (f >= 0) & (la < n) for f, la, (_, _, size), n in zip(first, last, ranges, shape, strict=True) if size != 0
+        ]
+        ok = functools.reduce(jnp.logical_and, inside, jnp.bool_(True))
+    else:
+        ok = ~_unmasked_outside(ranges, shape, first, mask)
+    shown, values = [], []
+    for d, (_, stride, size) in enumerate(ranges):
+        if size is None:
+            shown.append("{}")
+            values.append(first[d])
+        else:
+            shown.append("{}:{}" + (f":{stride}" if stride != 1 else ""))
+            values += [first[d], first[d] + stride * size]
+    masked = " (unmasked elements)" if mask is not None else ""
+    message = f"{kind} [{', '.join(shown)}]{masked} of a {_escape(dtype)}{list(shape)} buffer {_escape(site)}".replace(
+        "[]", "[()]"
+    )
+    _check(ok, message, values)
+
+
+def _unmasked_outside(ranges: list[_Range], shape: tuple[int, ...], first: list[Any], mask: Any) -> Any:
+    """Whether an element the mask lets through lies outside the buffer."""
+    import jax.numpy as jnp
+
+    kept = [(d, size) for d, (_, _, size) in enumerate(ranges) if size is not None]
+    out_shape = tuple(size for _, size in kept)
+    outside = jnp.zeros(out_shape, jnp.bool_)
+    for d, (_, stride, size) in enumerate(ranges):
+        if size is None:
+            outside = outside | (first[d] < 0) | (first[d] >= shape[d])
+            continue
+        axis = next(i for i, (dim, _) in enumerate(kept) if dim == d)
+        position = first[d] + stride * jnp.arange(size, dtype=jnp.int32)
+        bad = (position < 0) | (position >= shape[d])
+        outside = outside | bad.reshape(tuple(size if i == axis else 1 for i in range(len(out_shape))))
+    return jnp.any(outside & jnp.broadcast_to(jnp.asarray(mask, jnp.bool_), out_shape))
+
+
+def _check_gather(kind: str, indexer: Any, dtype: str, site: str) -> None:
+    """An indexer with index arrays (a gather or scatter): every index inside its dimension."""
+    import jax.numpy as jnp
+
+    ok = jnp.bool_(True)
+    shown, values = [], []
+    slice_class = _internals.slice_class()
+    for index, n in zip(indexer.indices, indexer.shape, strict=True):
+        if slice_class is not None and isinstance(index, slice_class):
+            if not isinstance(index.size, int):
+                shown.append(":")
+                continue
+            start = jnp.asarray(index.start, jnp.int32)
+            end = start + getattr(index, "stride", 1) * (index.size - 1)
+            ok = ok & ((index.size == 0) | ((start >= 0) & (end < n)))
+            shown.append("{}:{}")
+            values += [start, end + 1]
+        else:
+            array = jnp.asarray(index).astype(jnp.int32)
+            ok = ok & jnp.all((array >= 0) & (array < n))
+            shown.append("{}..{}" if array.shape else "{}")
+            values += [jnp.min(array), jnp.max(array)] if array.shape else [array]
+    message = f"{kind} [{', '.join(shown)}] of a {_escape(dtype)}{list(indexer.shape)} buffer {_escape(site)}"
+    _check(ok, message, values)
+
+
+def _check_block(checking: _Checking, start: Any, block: tuple[int, ...], value: Any) -> None:
+    """A block copied in at a grid step lies inside its (padded) array: the check that the index
+    map's block index is in range (a ragged last block is padded, never a finding). The copy back
+    out uses the same start: checked here once."""
+    import jax.numpy as jnp
+
+    starts = [jnp.asarray(s, jnp.int32) for s in start]
+    shape = tuple(value.shape)
+    ok = functools.reduce(
+        jnp.logical_and,
+        [(s >= 0) & (s + b <= n) for s, b, n in zip(starts, block, shape, strict=True)],
+        jnp.bool_(True),
+    )
+    # The interpreter copies every block operand in order at each step: the count names this one.
+    position = next(checking.copies)
+    name, array = "an operand", shape
+    if checking.blocks:
+        known_block, array, origin = checking.blocks[position % len(checking.blocks)]
+        if known_block == block and _padded(array, block) == shape:
+            name = origin or name
+        else:
+            array = shape
+    message = (
+        f"block copy of {_escape(name)} ({_escape(str(value.dtype))}{list(array)}): the block of shape "
+        f"{list(block)} at element offset [{', '.join('{}' for _ in starts)}] lies outside the array (its index "
+        "map points past the array's last block)"
+    )
+    _check(ok, message, starts)
+
+
+def _padded(shape: tuple[int, ...], block: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(-(-n // b) * b if b else n for n, b in zip(shape, block, strict=False))
+
+
+def _check(ok: Any, message: str, values: list[Any]) -> None:
+    import jax.numpy as jnp
+    from jax.experimental import checkify
+
+    checkify.check(jnp.asarray(ok, jnp.bool_), message, *[jnp.asarray(v, jnp.int32) for v in values])

@@ -1,0 +1,333 @@
+"""``checks="bounds"`` in the plain interpreter: index checks at every access, in every family.
+
+Each family gets kernels of its own: out-of-bounds reads and writes are found (eager and under
+``jax.jit``), masked-off elements at a ragged edge are not, and a kernel with no finding returns
+bit for bit what the unchecked plain interpreter returns.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import line_of
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as pltriton
+
+import pallas_guard
+from pallas_guard import PallasGuardError
+
+FINDING = "pallas_guard: an out-of-bounds"
+
+
+def _finding(call: Callable[[], Any], *, jit: bool) -> str:
+    """The finding ``call`` raises: ``PallasGuardError`` eagerly; under ``jax.jit`` JAX's runtime
+    error carries it (the kernel ran inside the compiled program)."""
+    if not jit:
+        with pytest.raises(PallasGuardError) as info:
+            jax.block_until_ready(call())
+        return str(info.value)
+    with pytest.raises(Exception, match=FINDING) as raised:
+        jax.block_until_ready(jax.jit(call)())
+    text = str(raised.value)
+    return text[text.index(FINDING) :].splitlines()[0]
+
+
+def _same_as_unchecked(call: Callable[[], Any]) -> Any:
+    """``call`` under the check, asserted bit-identical to the unchecked plain interpreter."""
+    with pallas_guard.policy(checks="none"):
+        unchecked = jax.block_until_ready(call())
+    checked = jax.block_until_ready(call())
+    for a, b in zip(jax.tree_util.tree_leaves(unchecked), jax.tree_util.tree_leaves(checked), strict=True):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    return checked
+
+
+@pytest.fixture(autouse=True)
+def bounds(guard: Callable[..., None]) -> None:
+    guard("interpret", checks="bounds")
+
+
+X = jnp.arange(24, dtype=jnp.float32)
+
+
+# --- generic kernels ---------------------------------------------------------------------------
+
+
+def shifted_read(x_ref, o_ref):  # type: ignore[no-untyped-def]
+    o_ref[...] = x_ref[pl.ds(pl.program_id(0) * 8 + 4, 8)]  # READ-SITE: step 2 reads [20:28)
+
+
+def shifted_write(x_ref, o_ref):  # type: ignore[no-untyped-def]
+    o_ref[pl.ds(pl.program_id(0) * 8 + 4, 8)] = x_ref[pl.ds(pl.program_id(0) * 8, 8)]
+
+
+def _generic(kernel: Any, steps: int) -> Callable[[], Any]:
+    size = 8 if kernel is shifted_read else 24  # the read fills an 8-element block; the write, all
+    whole = pl.BlockSpec((24,), lambda i: (0,))
+    out = pl.BlockSpec((size,), lambda i: (0,))
+    return lambda: pl.pallas_call(  # GENERIC-CALL
+        kernel, out_shape=jax.ShapeDtypeStruct((size,), jnp.float32), grid=(steps,), in_specs=[whole], out_specs=out
+    )(X)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_an_out_of_bounds_read_is_found_and_located(jit: bool) -> None:
+    _same_as_unchecked(_generic(shifted_read, 2))  # steps 0 and 1 stay inside: no finding
+    text = _finding(_generic(shifted_read, 3), jit=jit)
+    assert f"{FINDING} read in Pallas kernel 'shifted_read'" in text
+    assert f"defined at {__file__}:{line_of('def shifted_read')}" in text
+    assert f"called at {__file__}:{line_of('GENERIC-CALL')}" in text
+    assert "read [20:28] of a float32[24] buffer" in text
+    assert f"test_bounds.py:{line_of('READ-SITE')} (`o_ref[...] = x_ref[pl.ds(" in text
+    assert pallas_guard.decisions()[-1].interpreter == "plain"
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_an_out_of_bounds_write_is_found(jit: bool) -> None:
+    text = _finding(_generic(shifted_write, 3), jit=jit)
+    assert f"{FINDING} write in Pallas kernel 'shifted_write'" in text
+    assert "write [20:28] of a float32[24] buffer" in text
+
+
+def copy_kernel(x_ref, o_ref):  # type: ignore[no-untyped-def]
+    o_ref[...] = x_ref[...]
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_an_index_map_pointing_past_the_array_is_found(jit: bool) -> None:
+    def call(shift: int) -> Callable[[], Any]:
+        return lambda: pl.pallas_call(
+            copy_kernel,
+            out_shape=jax.ShapeDtypeStruct((16,), jnp.float32),
+            grid=(2,),
+            in_specs=[pl.BlockSpec((8,), lambda i: (i + shift,))],
+            out_specs=pl.BlockSpec((8,), lambda i: (i,)),
+        )(X[:16])
+
+    np.testing.assert_array_equal(_same_as_unchecked(call(0)), X[:16])
+    text = _finding(call(1), jit=jit)
+    assert f"{FINDING} block copy in Pallas kernel 'copy_kernel'" in text
+    assert "the block of shape [8] at element offset [16] lies outside the array" in text
+
+
+def test_a_ragged_last_block_is_no_finding() -> None:
+    """20 elements in blocks of 8: the last block overhangs, as on a TPU/GPU; the interpreter pads."""
+    spec = pl.BlockSpec((8,), lambda i: (i,))
+
+    def call() -> Any:
+        out = jax.ShapeDtypeStruct((20,), jnp.float32)
+        return pl.pallas_call(copy_kernel, out_shape=out, grid=(3,), in_specs=[spec], out_specs=spec)(X[:20])
+
+    np.testing.assert_array_equal(_same_as_unchecked(call), X[:20])
+
+
+def test_a_kernel_forced_into_the_plain_interpreter_by_hand_is_checked_too() -> None:
+    call = pl.pallas_call(
+        shifted_read,
+        out_shape=jax.ShapeDtypeStruct((8,), jnp.float32),
+        grid=(3,),
+        in_specs=[pl.BlockSpec((24,), lambda i: (0,))],
+        out_specs=pl.BlockSpec((8,), lambda i: (0,)),
+        interpret=True,
+    )
+    assert "read [20:28]" in _finding(lambda: call(X), jit=True)
+
+
+def test_without_the_check_the_plain_interpreter_clamps_silently() -> None:
+    """The negative control: the same kernel, unchecked, returns shifted values and no error."""
+    with pallas_guard.policy(checks="none"):
+        out = _generic(shifted_read, 3)()
+    assert out.tolist() != X[20:28].tolist()  # clamped to [16:24]: a wrong answer, silently
+
+
+def test_clean_kernels_of_several_shapes_return_what_the_unchecked_interpreter_returns() -> None:
+    key = jax.random.key(0)
+    a, b = jax.random.normal(key, (64, 128)), jax.random.normal(jax.random.key(1), (128, 32))
+
+    def matmul_kernel(a_ref, b_ref, o_ref):  # type: ignore[no-untyped-def]
+        o_ref[...] = jnp.dot(a_ref[...], b_ref[...], preferred_element_type=jnp.float32)
+
+    def matmul() -> Any:
+        return pl.pallas_call(
+            matmul_kernel,
+            out_shape=jax.ShapeDtypeStruct((64, 32), jnp.float32),
+            grid=(4,),
+            in_specs=[pl.BlockSpec((16, 128), lambda i: (i, 0)), pl.BlockSpec((128, 32), lambda i: (0, 0))],
+            out_specs=pl.BlockSpec((16, 32), lambda i: (i, 0)),
+        )(a, b)
+
+    def loop_kernel(x_ref, o_ref):  # type: ignore[no-untyped-def]
+        def body(j, acc):  # type: ignore[no-untyped-def]
+            return acc + x_ref[pl.ds(j * 8, 8), :]
+
+        o_ref[...] = jax.lax.fori_loop(0, 8, body, jnp.zeros((8, 128), jnp.float32))
+
+    def looped() -> Any:
+        return pl.pallas_call(loop_kernel, out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32))(a)
+
+    for call in (matmul, looped):
+        _same_as_unchecked(call)
+        _same_as_unchecked(jax.jit(call))
+
+
+# --- Mosaic-TPU: scalar prefetch, dynamic pl.ds reads and writes, DMAs --------------------------------
+
+
+def prefetch_read(idx_ref, x_ref, o_ref):  # type: ignore[no-untyped-def]
+    o_ref[...] = x_ref[pl.ds(idx_ref[pl.program_id(0)], 8)]
+
+
+def prefetch_write(idx_ref, x_ref, o_ref):  # type: ignore[no-untyped-def]
+    o_ref[pl.ds(idx_ref[pl.program_id(0)], 8)] = x_ref[pl.ds(0, 8)]
+
+
+def _prefetch(kernel: Any, starts: list[int], *, out: int = 8) -> Callable[[], Any]:
+    spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=1,
+        grid=(len(starts),),
+        in_specs=[pl.BlockSpec((24,), lambda i, idx: (0,))],
+        out_specs=pl.BlockSpec((out,), lambda i, idx: (0,)),
+    )
+    return lambda: pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((out,), jnp.float32), grid_spec=spec)(
+        jnp.array(starts, jnp.int32), X
+    )
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_scalar_prefetch_dynamic_reads_and_writes(jit: bool) -> None:
+    np.testing.assert_array_equal(_same_as_unchecked(_prefetch(prefetch_read, [0, 16])), X[16:24])
+    assert "read [18:26] of a float32[24] buffer" in _finding(_prefetch(prefetch_read, [0, 18]), jit=jit)
+    _same_as_unchecked(_prefetch(prefetch_write, [0, 8], out=16))
+    assert "write [9:17] of a float32[16] buffer" in _finding(_prefetch(prefetch_write, [0, 9], out=16), jit=jit)
+
+
+def block_from_prefetch(idx_ref, x_ref, o_ref):  # type: ignore[no-untyped-def]
+    o_ref[...] = x_ref[...]
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_scalar_prefetch_index_map_out_of_range_is_found(jit: bool) -> None:
+    def call(blocks: list[int]) -> Callable[[], Any]:
+        spec = pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=(2,),
+            in_specs=[pl.BlockSpec((8,), lambda i, idx: (idx[i],))],
+            out_specs=pl.BlockSpec((8,), lambda i, idx: (i,)),
+        )
+        out = jax.ShapeDtypeStruct((16,), jnp.float32)
+        return lambda: pl.pallas_call(block_from_prefetch, out_shape=out, grid_spec=spec)(
+            jnp.array(blocks, jnp.int32), X
+        )
+
+    np.testing.assert_array_equal(_same_as_unchecked(call([2, 0])), np.concatenate([X[16:24], X[:8]]))
+    assert "at element offset [24] lies outside the array" in _finding(call([3, 0]), jit=jit)
+
+
+def dma_window(start_ref, x_hbm, o_ref, buffer, sem):  # type: ignore[no-untyped-def]
+    copy = pltpu.make_async_copy(x_hbm.at[pl.ds(start_ref[0], 8)], buffer, sem)
+    copy.start()
+    copy.wait()
+    o_ref[...] = buffer[...] * 2
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_dma_from_outside_the_source_is_found(jit: bool) -> None:
+    def call(start: int) -> Callable[[], Any]:
+        spec = pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=(1,),
+            in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+            out_specs=pl.BlockSpec((8,), lambda i, s: (0,)),
+            scratch_shapes=[pltpu.VMEM((8,), jnp.float32), pltpu.SemaphoreType.DMA],
+        )
+        out = jax.ShapeDtypeStruct((8,), jnp.float32)
+        return lambda: pl.pallas_call(dma_window, out_shape=out, grid_spec=spec)(jnp.array([start], jnp.int32), X)
+
+    np.testing.assert_array_equal(_same_as_unchecked(call(16)), X[16:24] * 2)
+    assert "DMA read [20:28] of a float32[24] buffer" in _finding(call(20), jit=jit)
+
+
+# --- Triton: masked loads and stores at the ragged edge ------------------------------------------------
+
+
+def _triton_params() -> Any:
+    return pltriton.CompilerParams()  # type: ignore[attr-defined]
+
+
+def masked_double(x_ref, o_ref):  # type: ignore[no-untyped-def]
+    start = pl.program_id(0) * 8
+    inside = start + jnp.arange(8) < 20
+    x = pltriton.load(x_ref.at[pl.ds(start, 8)], mask=inside, other=0.0)
+    pltriton.store(o_ref.at[pl.ds(start, 8)], x * 2, mask=inside)
+
+
+def unmasked_double(x_ref, o_ref):  # type: ignore[no-untyped-def]
+    start = pl.program_id(0) * 8
+    o_ref[pl.ds(start, 8)] = x_ref[pl.ds(start, 8)] * 2
+
+
+def wrongly_masked_double(x_ref, o_ref):  # type: ignore[no-untyped-def]
+    start = pl.program_id(0) * 8
+    inside = start + jnp.arange(8) < 22  # two elements too many
+    x = pltriton.load(x_ref.at[pl.ds(start, 8)], mask=inside, other=0.0)
+    pltriton.store(o_ref.at[pl.ds(start, 8)], x * 2, mask=start + jnp.arange(8) < 20)
+
+
+def _triton(kernel: Any) -> Callable[[], Any]:
+    return lambda: pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct((20,), jnp.float32), grid=(3,), compiler_params=_triton_params()
+    )(X[:20])
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_triton_masked_edges_are_no_finding_and_unmasked_ones_are(jit: bool) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", pallas_guard.PallasGuardWarning)  # checked: nothing to warn of
+        np.testing.assert_array_equal(_same_as_unchecked(_triton(masked_double)), X[:20] * 2)
+    assert "read [16:24] of a float32[20] buffer" in _finding(_triton(unmasked_double), jit=jit)
+    text = _finding(_triton(wrongly_masked_double), jit=jit)
+    assert "read [16:24] (unmasked elements) of a float32[20] buffer" in text
+
+
+# --- Mosaic-GPU, where the plain interpreter runs it ---------------------------------------------------
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_mosaic_gpu_kernel_in_the_plain_interpreter_is_checked(jit: bool) -> None:
+    plgpu = pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+
+    def call(steps: int) -> Callable[[], Any]:
+        return lambda: pl.pallas_call(
+            shifted_read,
+            out_shape=jax.ShapeDtypeStruct((8,), jnp.float32),
+            grid=(steps,),
+            in_specs=[pl.BlockSpec((24,), lambda i: (0,))],
+            out_specs=pl.BlockSpec((8,), lambda i: (0,)),
+            compiler_params=plgpu.CompilerParams(),
+        )(X)
+
+    with pallas_guard.policy(interpreter="plain"):
+        _same_as_unchecked(call(2))
+        assert "read [20:28] of a float32[24] buffer" in _finding(call(3), jit=jit)
+
+
+# --- settings at the call -------------------------------------------------------------------------
+
+
+def test_eager_calls_in_and_out_of_a_bounds_scope_each_get_their_own_executable() -> None:
+    """JAX keeps one executable per equation: the checked call must not reuse the unchecked one,
+    nor the reverse (the front door marks the checked equation)."""
+    call = _generic(shifted_read, 3)
+    for _ in range(2):
+        with pallas_guard.policy(checks="none"):
+            clamped = jax.block_until_ready(call())
+        assert clamped.tolist() == X[16:24].tolist()
+        with pytest.raises(PallasGuardError, match="read \\[20:28\\]"):
+            jax.block_until_ready(call())
