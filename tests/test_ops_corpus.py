@@ -12,6 +12,7 @@ import json
 from collections.abc import Callable
 
 import jax
+import numpy as np
 import pytest
 from conftest import run_python
 from ops_corpus import Case, cases, check
@@ -63,3 +64,37 @@ def test_shipped_kernel_runs_on_cpu_under_the_guard(case: Case, guard: Callable[
     result = jax.block_until_ready(case.run())
     check(case, result)
     assert _interpreters_used() == {case.expected}
+
+
+# One or two of each family and of each way of addressing memory (block specs, loops over pl.ds,
+# scalar prefetch, DMAs, a Mosaic-GPU kernel in its own interpreter): the whole corpus is compared
+# bit for bit by benchmark row 4b.
+BOUNDS_CASES = frozenset(
+    {
+        "gpu.softmax",
+        "gpu.attention.mha",
+        "tpu.flash_attention",
+        "tpu.megablox.gmm",
+        "tpu.paged_attention",
+        "gpu.ragged_dot_mgpu",
+    }
+)
+
+
+@pytest.mark.parametrize(
+    "case", [pytest.param(case, id=case.name) for case in cases() if not case.xfail and case.name in BOUNDS_CASES]
+)
+def test_shipped_kernel_under_the_bounds_check_has_no_finding_and_the_same_bits(
+    case: Case, guard: Callable[..., None]
+) -> None:
+    """JAX's own kernels are in bounds: the check finds nothing and changes no bit of the result
+    (each kernel compiled afresh with and without it)."""
+    if case.skip_reason() or case.devices > len(jax.devices("cpu")):
+        pytest.skip(case.skip_reason() or "needs more CPU devices (checked unchecked in the test above)")
+    results = {}
+    for checks in ("none", "bounds"):
+        guard("interpret", device=case.device, checks=checks)
+        jax.clear_caches()
+        results[checks] = [np.asarray(leaf).tobytes() for leaf in jax.tree_util.tree_leaves(case.run())]
+    check(case, case.run())
+    assert results["bounds"] == results["none"]
