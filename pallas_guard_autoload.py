@@ -325,8 +325,8 @@ OPTIONS = {
             _checks,
             "'races', 'bounds' (comma-separated), 'all' or 'none'",
             frozenset(),
-            "run kernels in the interpreter that can check them: races (data races), bounds "
-            "(out-of-bounds reads raise)",
+            "check interpreted kernels: races (data races; moves a kernel to the interpreter that detects "
+            "them), bounds (an out-of-bounds index raises; in every interpreter)",
             word_of=_word_of_checks,
             also=" or a list of str",
             vocabulary=(*CHECKS, "all", "none"),
