@@ -331,3 +331,22 @@ def test_eager_calls_in_and_out_of_a_bounds_scope_each_get_their_own_executable(
         assert clamped.tolist() == X[16:24].tolist()
         with pytest.raises(PallasGuardError, match="read \\[20:28\\]"):
             jax.block_until_ready(call())
+
+
+def test_a_failure_of_the_check_itself_runs_the_kernel_unchecked_and_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kernel the check cannot handle is never failed by it: it runs in the plain interpreter as
+    without the check, and a warning at the user's line says the check did not apply."""
+    from pallas_guard import _bounds
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("the check cannot handle this kernel")
+
+    monkeypatch.setattr(_bounds, "_check_block", broken)
+    spec = pl.BlockSpec((8,), lambda i: (i,))
+    with pytest.warns(pallas_guard.PallasGuardWarning, match="runs unchecked: the bounds check") as warned:
+        out = pl.pallas_call(  # UNCHECKED-CALL
+            copy_kernel, out_shape=jax.ShapeDtypeStruct((16,), jnp.float32), grid=(2,), in_specs=[spec], out_specs=spec
+        )(X[:16])
+    np.testing.assert_array_equal(out, X[:16])
+    assert "the check cannot handle this kernel" in str(warned[0].message)
+    assert warned[0].lineno == line_of("UNCHECKED-CALL")
