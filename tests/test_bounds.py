@@ -350,3 +350,20 @@ def test_a_failure_of_the_check_itself_runs_the_kernel_unchecked_and_says_so(mon
     np.testing.assert_array_equal(out, X[:16])
     assert "the check cannot handle this kernel" in str(warned[0].message)
     assert warned[0].lineno == line_of("UNCHECKED-CALL")
+
+
+def test_uninstall_puts_back_every_function_the_check_wrapped() -> None:
+    import logging
+
+    from jax._src.pallas import hlo_interpreter
+    from jax._src.state import discharge, primitives
+
+    pallas_guard.uninstall()
+    before = (dict(discharge._discharge_rules), hlo_interpreter._dynamic_slice)
+    pallas_guard.install("interpret", checks="bounds")
+    jax.block_until_ready(_generic(shifted_read, 2)())
+    assert discharge._discharge_rules[primitives.get_p] is not before[0][primitives.get_p]
+    assert hlo_interpreter._dynamic_slice is not before[1]
+    pallas_guard.uninstall()
+    assert (dict(discharge._discharge_rules), hlo_interpreter._dynamic_slice) == before
+    assert not logging.getLogger("jax._src.callback").filters
