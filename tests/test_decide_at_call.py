@@ -420,7 +420,7 @@ def test_a_kept_interpreter_trace_matches_only_the_equation_it_was_made_from() -
 
     from jax._src.sharding_impls import ShardingContext
 
-    from pallas_guard import _engine
+    from pallas_guard import _engine, _internals
 
     def equation(scale: float, x: jax.Array) -> Any:  # traced without the guard: nothing lowers
         jaxpr = jax.jit(functools.partial(_dma_scaled, scale)).trace(x).jaxpr
@@ -446,5 +446,6 @@ def test_a_kept_interpreter_trace_matches_only_the_equation_it_was_made_from() -
     assert traces._take(ctx, {**params, "debug": not params["debug"]}) is None
     in_shard_map = SimpleNamespace(**{**vars(ctx), "module_context": SimpleNamespace(axis_context=None)})
     assert traces._take(in_shard_map, params) is None
-    assert traces._take(ctx, params) is not None
-    assert traces._take(ctx, params) is None  # replayed once
+    with _internals.equation_context(kept):  # where JAX calls the lowering rule
+        assert traces._take(ctx, params) is not None
+        assert traces._take(ctx, params) is None  # replayed once
