@@ -157,14 +157,13 @@ def lower(
     from jax import lax
     from jax.experimental import checkify, io_callback
 
-    interpreter = _internals.plain_interpreter()
-    lower_fun = _internals.first_attribute([("jax._src.interpreters.mlir", "lower_fun")])
-    if interpreter is None or lower_fun is None or unchecked_reason("pallas_call", params) is not None:
+    interpret = _internals.plain_interpreter(params)
+    tools = _internals.lowering_tools()
+    if interpret is None or tools is None or unchecked_reason("pallas_call", params) is not None:
         return None
+    lower_fun = tools[2]
     hook(hooks)
-    grid_mapping = params.get("grid_mapping")
-    state = _Checking(_blocks(grid_mapping))
-    interpret = functools.partial(interpreter, **{k: v for k, v in params.items() if k != "interpret"})
+    state = _Checking(_blocks(params.get("grid_mapping")))
 
     def checked(*args: Any) -> Any:
         token = _checking.set(state)
@@ -186,10 +185,10 @@ def unchecked_reason(entry_point: str, params: dict[str, Any]) -> str | None:
     """Why a kernel the plain interpreter runs cannot get the bounds check, or None."""
     if entry_point != "pallas_call":
         return f"{entry_point} lowers through its own rule, which the check does not reach"
-    if _internals.plain_interpreter() is None:
-        return "this jax's plain interpreter is not where the guard looks for it"
     if getattr(params.get("jaxpr"), "constvars", None):
         return "the kernel captures constants"  # JAX's own rule refuses it
+    if _internals.plain_interpreter(params) is None:
+        return "this jax's plain interpreter is not where the guard looks for it"
     return None
 
 

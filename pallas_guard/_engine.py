@@ -5,8 +5,10 @@ best first) and the call's arguments. Where the candidates are ambiguous (``Cand
 each is lowered on trial for the CPU until one lowers; the choice is kept per kernel identity and
 argument shapes. The trial is the real work, not a rehearsal: the kernel runs through a ``jax.jit``
 of the chosen variant, whose trace and lowering the trial already made (an eager first call costs
-what a hand-written one does; under an outer trace the body is traced once). An eager call that
-fails at run time moves on to the next candidate.
+what a hand-written one does; under an outer trace the body is traced once). Under an outer trace,
+plain is verified without a lowering of its own (the outer lowering lowers it anyway): its
+interpreter is traced once, checked for CPU lowering rules, and replayed there (``PlainTraces``).
+An eager call that fails at run time moves on to the next candidate.
 
 The plain interpreter is substituted by the lowering net, which knows the real target, except for
 an eager call, which runs now on the configured (CPU) target: there the engine records it itself
@@ -15,9 +17,12 @@ and the net stays out (``Ledger.verification``).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
-from collections.abc import Callable, Hashable
+import threading
+import weakref
+from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
 from . import _act, _bounds, _diagnostics, _internals, _interpreters, _plan, _settings
@@ -63,6 +68,110 @@ def _shape_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
 
     leaves = jax.tree_util.tree_leaves((args, kwargs))
     return tuple((getattr(x, "shape", None), str(getattr(x, "dtype", type(x).__name__))) for x in leaves)
+
+
+class PlainTraces:
+    """The plain interpreter traced by a trial under an outer trace, for the outer lowering.
+
+    Under an outer trace the front door must choose at the call, but the kernel lowers later, with
+    the outer trace. A trial that lowers plain for real lowers it twice (the trial, then the outer
+    lowering), tracing the interpreter (state discharge, the grid loop) each time. Instead the trial
+    traces the interpreter once, checks that JAX has a CPU lowering for every primitive in that
+    trace, and keeps the trace; the outer lowering replays it (JAX keeps the kernel body's trace, so
+    the equation's params are the same objects). A trace is replayed once, and only for the
+    equation it was made from: the same params objects, a kernel jaxpr still alive, equal argument
+    avals and equation context, the same trace configuration, outside a ``shard_map`` body.
+    Anything else, or a missing internal, lowers as JAX alone does.
+    """
+
+    _MAX_KEPT = 16  # a trial's trace waits for one outer lowering; traces never lowered age out
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._kept: collections.OrderedDict[int, tuple[Any, tuple[tuple[str, Any], ...], Hashable, Any]] = (
+            collections.OrderedDict()
+        )
+
+    @staticmethod
+    def _others(params: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
+        """The params besides the kernel jaxpr and ``interpret`` (which the net substitutes)."""
+        return tuple((name, value) for name, value in params.items() if name not in ("jaxpr", "interpret"))
+
+    def trace(self, eqn: Any) -> bool:
+        """Trace the plain interpreter for ``eqn`` (a ``pallas_call`` equation), check that every
+        primitive of that trace lowers for the CPU, keep it; False where this cannot be told so
+        cheaply (then a real lowering tells)."""
+        params = eqn.params
+        registry = _internals.lowering_registry()
+        tools = _internals.lowering_tools()
+        interpreter = _internals.plain_interpreter(params)
+        avals = [getattr(var, "aval", None) for var in eqn.invars]
+        if registry is None or tools is None or interpreter is None:
+            return False
+        if not all(type(aval).__name__ == "ShapedArray" for aval in avals):
+            return False
+        try:
+            ref = weakref.ref(params["jaxpr"])
+            # Inside the equation's context, where JAX's rule traces it (and where the net will).
+            with _internals.equation_context(eqn):
+                config = _internals.trace_context()
+                traced = tools[0](interpreter)(*avals)
+        except Exception:  # a real lowering raises JAX's own error for it
+            return False
+        if config is None:
+            return False
+        if not all(_internals.lowers_for_cpu(e.primitive, registry) for e in _internals.jaxpr_equations(traced)):
+            return False
+        context = (config, _internals.lowering_context_key(avals, getattr(eqn, "ctx", None)))
+        with self._lock:
+            self._kept[id(params["jaxpr"])] = (ref, self._others(params), context, traced)
+            while len(self._kept) > self._MAX_KEPT:
+                self._kept.popitem(last=False)
+        return True
+
+    def _take(self, ctx: Any, params: Mapping[str, Any]) -> Any:
+        jaxpr = params.get("jaxpr")
+        with self._lock:
+            kept = self._kept.get(id(jaxpr))
+        if kept is None or _internals.manual_axes(ctx):
+            return None
+        ref, others, context, traced = kept
+        now = self._others(params)
+        if ref() is not jaxpr or len(now) != len(others):
+            return None
+        if not all(a[0] == b[0] and a[1] is b[1] for a, b in zip(now, others, strict=True)):
+            return None
+        config = _internals.trace_context()
+        avals = getattr(ctx, "avals_in", ())
+        key = (config, _internals.lowering_context_key(avals, getattr(ctx, "jaxpr_eqn_ctx", None)))
+        try:
+            same = config is not None and bool(key == context)
+        except Exception:  # a context that cannot be compared is not the same
+            same = False
+        if not same:
+            return None
+        with self._lock:
+            if self._kept.get(id(jaxpr)) is not kept:
+                return None
+            del self._kept[id(jaxpr)]
+        return traced
+
+    def reusing(self, delegate: Callable[..., Any]) -> Callable[..., Any]:
+        """JAX's lowering rule ``delegate`` for ``pallas_call_p``, replaying a kept plain trace."""
+
+        def lower_pallas_call(ctx: Any, *in_nodes: Any, **params: Any) -> Any:
+            if params.get("interpret") is True and id(params.get("jaxpr")) in self._kept:  # a racy peek
+                traced = self._take(ctx, params)
+                tools = _internals.lowering_tools()
+                if traced is not None and tools is not None:
+                    _, replay, lower_fun = tools
+                    return lower_fun(replay(traced), multiple_results=True)(ctx, *in_nodes)
+            return delegate(ctx, *in_nodes, **params)
+
+        return lower_pallas_call
+
+
+PLAIN_TRACES = PlainTraces()
 
 
 class Run:
@@ -128,6 +237,22 @@ class Run:
         """An eager plain run is recorded here; the net substitutes the interpreter silently."""
         return self.ledger.verification() if self.eager and name == "plain" else contextlib.nullcontext()
 
+    def _plain_traced(self, name: str, jitted: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """Under an outer trace, plain verified without a lowering of its own: the outer lowering
+        lowers the kernel anyway, replaying the interpreter traced here (``PlainTraces``). False
+        where that cannot tell: the trial then lowers for real."""
+        if name != "plain" or self.eager or self.candidates.checked:
+            return False  # a checked plain interpreter lowers its own way: a real trial
+        primitive = _internals.pallas_call_primitive()
+        trace = getattr(jitted, "trace", None)
+        if primitive is None or trace is None:
+            return False
+        traced = trace(*args, **kwargs)  # the kernel's own trace error is plain's failure, as before
+        eqns = [e for e in _internals.jaxpr_equations(getattr(traced, "jaxpr", None)) if "interpret" in e.params]
+        if not eqns or any(e.primitive is not primitive or e.params.get("interpret") for e in eqns):
+            return False
+        return all(PLAIN_TRACES.trace(eqn) for eqn in eqns)
+
     # --- the call ----------------------------------------------------------------------------------
 
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -173,7 +298,8 @@ class Run:
                 with self.ledger.verification():
                     # Tracers of an outer trace lower as their avals (memory spaces, weak types
                     # kept): the call below then reuses this trial's trace of the body.
-                    jitted.lower(*args, **kwargs)  # type: ignore[attr-defined]
+                    if not self._plain_traced(name, jitted, args, kwargs):
+                        jitted.lower(*args, **kwargs)  # type: ignore[attr-defined]
             except _NEVER_RETRIED:
                 raise
             except Exception as error:

@@ -7,6 +7,7 @@ warn once, keep every layer that still works, and diagnostics can say what was m
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import itertools
@@ -14,7 +15,7 @@ import os
 import sys
 import threading
 import types
-from collections.abc import Callable, Iterable, Mapping, MutableMapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
 from typing import Any, NamedTuple
 
 from ._errors import PallasGuardWarning
@@ -536,13 +537,6 @@ def slice_class() -> type[Any] | None:
     return cls if isinstance(cls, type) else None
 
 
-def plain_interpreter() -> Callable[..., Any] | None:
-    """JAX's plain (HLO) interpreter of one ``pallas_call`` equation: called with the equation's
-    operands and its parameters less ``interpret``, as JAX's own lowering rule calls it."""
-    found = getattr(hlo_interpreter_module(), "pallas_call_hlo_interpret", None)
-    return found if callable(found) else None
-
-
 def hlo_interpreter_module() -> types.ModuleType | None:
     return import_optional("jax._src.pallas.hlo_interpreter")
 
@@ -566,3 +560,80 @@ def access_site() -> tuple[str, int, str] | None:
             line = getattr(frame, "line_num", None) or getattr(frame, "start_line", 0)
             return filename, int(line or 0), str(getattr(frame, "function_name", ""))
     return None
+
+
+# --- the plain interpreter, as JAX's pallas_call lowering rule calls it ---------------------------
+
+
+def plain_interpreter(params: Mapping[str, Any]) -> Callable[..., Any] | None:
+    """What ``_pallas_call_lowering`` lowers with ``mlir.lower_fun`` for ``interpret=True``: the HLO
+    interpreter with the equation's other params (``backend`` among them before jax 0.9.1); None
+    where this jax lacks it, or where JAX's rule raises before interpreting (constants)."""
+    interpret = getattr(hlo_interpreter_module(), "pallas_call_hlo_interpret", None)
+    jaxpr = params.get("jaxpr")
+    if interpret is None or getattr(jaxpr, "constvars", True):
+        return None
+    return functools.partial(interpret, **{k: v for k, v in params.items() if k != "interpret"})
+
+
+def lowering_tools() -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]] | None:
+    """``(make_jaxpr, jaxpr_as_fun, lower_fun)``: trace a function to a closed jaxpr, replay one,
+    and lower a traceable function as a rule (``lower_fun(f, multiple_results=True)(ctx, *nodes)``)."""
+    make = first_attribute([("jax", "make_jaxpr")])
+    replay = first_attribute([("jax._src.core", "jaxpr_as_fun"), ("jax.core", "jaxpr_as_fun")])
+    lower = first_attribute([("jax.interpreters.mlir", "lower_fun"), ("jax._src.interpreters.mlir", "lower_fun")])
+    if make is None or replay is None or lower is None:
+        return None
+    return make, replay, lower
+
+
+def trace_context() -> Any:
+    """JAX's key of the configuration a trace depends on (what ``jit`` keys its traces with); None
+    where this jax has none."""
+    config = import_optional("jax._src.config")
+    function = getattr(config, "trace_context", None)
+    if function is None:
+        return None
+    try:
+        return function()
+    except Exception:  # a changed internal: no key, so nothing is reused
+        return None
+
+
+def jaxpr_equations(jaxpr: Any) -> Iterator[Any]:
+    """Every equation of ``jaxpr`` (a jaxpr or a closed one), and of the jaxprs in their params,
+    recursively (a ``cond``'s branches, a loop's body)."""
+    pending = [jaxpr]
+    while pending:
+        current = pending.pop()
+        inner = getattr(current, "jaxpr", None)
+        if inner is not None and inner is not current and hasattr(inner, "eqns"):
+            current = inner
+        for eqn in getattr(current, "eqns", ()):
+            yield eqn
+            for value in eqn.params.values():
+                for item in value if isinstance(value, (tuple, list)) else (value,):
+                    if hasattr(item, "eqns") or hasattr(getattr(item, "jaxpr", None), "eqns"):
+                        pending.append(item)
+
+
+def lowers_for_cpu(primitive: Any, registry: LoweringRegistry) -> bool:
+    """Whether JAX has a lowering rule for ``primitive`` on the CPU (its own or a common one)."""
+    return primitive in registry.cpu or primitive in registry.common
+
+
+def equation_context(eqn: Any) -> contextlib.AbstractContextManager[Any]:
+    """The context an equation lowers in (compute type, metadata), as ``jaxpr_subcomp`` enters it."""
+    manager = getattr(getattr(eqn, "ctx", None), "manager", None)
+    return manager if manager is not None else contextlib.nullcontext()
+
+
+def lowering_context_key(avals: Any, eqn_context: Any) -> tuple[Any, ...]:
+    """What of an equation's lowering may shape a trace inside it: its argument avals and context."""
+    return (tuple(avals), eqn_context)
+
+
+def manual_axes(ctx: Any) -> bool:
+    """Whether a rule context lowers inside a ``shard_map`` body (an SPMD axis context)."""
+    axis_context = getattr(getattr(ctx, "module_context", None), "axis_context", None)
+    return type(axis_context).__name__ not in ("ShardingContext", "ReplicaAxisContext")

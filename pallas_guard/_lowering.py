@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from . import _act, _bounds, _diagnostics, _internals, _plan, _settings, _target
+from . import _act, _bounds, _diagnostics, _engine, _internals, _plan, _settings, _target
 from ._enums import Policy
 from ._ledger import Guarding
 
@@ -145,6 +145,9 @@ def install_rule(
             f"lowering rule of {primitive}", f"the CPU lowering net for {entry_point} is not installed"
         )
         return None
+    if primitive is _internals.pallas_call_primitive():
+        # A plain interpreter traced on trial is replayed when the outer trace lowers the same kernel.
+        delegate = _engine.PLAIN_TRACES.reusing(delegate)
     rule = make_cpu_rule(entry_point, delegate, installation)
     registry.register_lowering(primitive, rule, platform="cpu")
     return InstalledRule(registry, primitive, previous, rule)

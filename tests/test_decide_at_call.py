@@ -343,3 +343,109 @@ def test_an_eager_verified_call_lowers_the_kernel_once(guard: Callable[..., None
     (decision,) = pallas_guard.decisions()
     assert decision.tried == ("plain: ok",)
     assert len(lowerings) == 1
+
+
+# --- a verified kernel first called under jax.jit: the plain interpreter traced once ----------------
+
+
+def _dma_scaled(scale: float, x: jax.Array) -> jax.Array:
+    """A Mosaic-TPU DMA kernel (facts leave plain vs TPU interpret mode open: the guard verifies)."""
+
+    def body(x_hbm, o_hbm, buffer, sem):  # type: ignore[no-untyped-def]
+        pltpu.make_async_copy(x_hbm, buffer, sem).start()
+        pltpu.make_async_copy(x_hbm, buffer, sem).wait()
+        buffer[...] = buffer[...] * scale
+        pltpu.make_async_copy(buffer, o_hbm, sem).start()
+        pltpu.make_async_copy(buffer, o_hbm, sem).wait()
+
+    return pl.pallas_call(
+        body,
+        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+        in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+        out_specs=pl.BlockSpec(memory_space=pl.ANY),
+        scratch_shapes=[pltpu.VMEM(x.shape, x.dtype), pltpu.SemaphoreType.DMA],
+    )(x)
+
+
+@pytest.fixture
+def interpreter_traces(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
+    """The input shapes of each trace of the plain interpreter (JAX's rule and the guard look it up
+    when they lower)."""
+    from jax._src.pallas import hlo_interpreter
+
+    traces: list[tuple[int, ...]] = []
+    original = hlo_interpreter.pallas_call_hlo_interpret
+
+    def counted(*args: Any, **params: Any) -> Any:
+        traces.append(tuple(args[0].shape))
+        return original(*args, **params)
+
+    monkeypatch.setattr(hlo_interpreter, "pallas_call_hlo_interpret", counted)
+    return traces
+
+
+def test_a_verified_kernel_under_jit_traces_the_plain_interpreter_once(
+    guard: Callable[..., None], interpreter_traces: list[tuple[int, ...]]
+) -> None:
+    guard("interpret")
+    x = jnp.arange(8 * 128, dtype=jnp.float32).reshape(8, 128)
+    np.testing.assert_array_equal(jax.jit(functools.partial(_dma_scaled, 2.0))(x), x * 2)
+    (decision,) = pallas_guard.decisions()
+    assert (decision.interpreter, decision.layer, decision.tried) == ("plain", "lowering", ("plain: ok",))
+    assert interpreter_traces == [(8, 128)]  # the trial's trace, replayed by the outer lowering
+
+
+def test_kept_interpreter_traces_serve_only_their_own_kernel_and_shapes(
+    guard: Callable[..., None], interpreter_traces: list[tuple[int, ...]]
+) -> None:
+    """Two kernels of one shape and one kernel at two shapes, all first called in one trace: each
+    lowers with its own trace of the interpreter, never another's."""
+    guard("interpret")
+    x = jnp.arange(8 * 128, dtype=jnp.float32).reshape(8, 128)
+    y = jnp.arange(16 * 128, dtype=jnp.float32).reshape(16, 128)
+
+    def f(x: jax.Array, y: jax.Array) -> tuple[jax.Array, ...]:
+        return _dma_scaled(2.0, x), _dma_scaled(3.0, x), _dma_scaled(2.0, y)
+
+    doubled, tripled, doubled_y = jax.jit(f)(x, y)
+    np.testing.assert_array_equal(doubled, x * 2)
+    np.testing.assert_array_equal(tripled, x * 3)
+    np.testing.assert_array_equal(doubled_y, y * 2)
+    assert sorted(interpreter_traces) == [(8, 128), (8, 128), (16, 128)]
+    assert [d.interpreter for d in pallas_guard.decisions()] == ["plain"] * 3
+
+
+def test_a_kept_interpreter_trace_matches_only_the_equation_it_was_made_from() -> None:
+    from types import SimpleNamespace
+
+    from jax._src.sharding_impls import ShardingContext
+
+    from pallas_guard import _engine, _internals
+
+    def equation(scale: float, x: jax.Array) -> Any:  # traced without the guard: nothing lowers
+        jaxpr = jax.jit(functools.partial(_dma_scaled, scale)).trace(x).jaxpr
+        (eqn,) = [e for e in jaxpr.eqns if "interpret" in e.params]
+        return eqn
+
+    def lowering(eqn: Any, avals: Any = None) -> tuple[Any, dict[str, Any]]:
+        ctx = SimpleNamespace(
+            avals_in=avals or [v.aval for v in eqn.invars],
+            jaxpr_eqn_ctx=eqn.ctx,
+            module_context=SimpleNamespace(axis_context=ShardingContext(1)),
+        )
+        return ctx, {**eqn.params, "interpret": True}  # as the net substitutes it
+
+    x = jnp.zeros((8, 128), jnp.float32)
+    kept, other_kernel, other_shape = equation(2.0, x), equation(3.0, x), equation(2.0, jnp.zeros((16, 128)))
+    traces = _engine.PlainTraces()
+    assert traces.trace(kept)
+    assert traces._take(*lowering(other_kernel)) is None
+    assert traces._take(*lowering(other_shape)) is None
+    assert traces._take(*lowering(kept, avals=[v.aval for v in other_shape.invars])) is None
+    ctx, params = lowering(kept)
+    assert traces._take(ctx, {**params, "debug": not params["debug"]}) is None
+    in_shard_map = SimpleNamespace(**{**vars(ctx), "module_context": SimpleNamespace(axis_context=None)})
+    assert traces._take(in_shard_map, params) is None
+    with _internals.equation_context(kept):  # where JAX calls the lowering rule
+        assert traces._take(ctx, params) is not None
+        assert traces._take(ctx, params) is None  # replayed once
