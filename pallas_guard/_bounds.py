@@ -29,6 +29,7 @@ from typing import Any
 from . import _diagnostics, _internals
 from ._diagnostics import CallSite, KernelInfo
 from ._errors import PallasGuardError
+from ._install import Patch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,17 +57,14 @@ _checking: contextvars.ContextVar[_Checking | None] = contextvars.ContextVar("pa
 # --- hooks: JAX's discharge rules and the interpreter's block copies, checking only when asked ---
 
 
-class Hook:
-    """One JAX table entry or module function replaced by a checking wrapper, to put back."""
+class TableEntry:
+    """One entry of a JAX table replaced by a checking wrapper, and the exact object to put back."""
 
-    def __init__(self, table: Any, key: Any, original: Any, wrapper: Any, *, attribute: bool) -> None:
-        self.table, self.key, self.original, self.wrapper, self.attribute = table, key, original, wrapper, attribute
+    def __init__(self, table: Any, key: Any, original: Any, wrapper: Any) -> None:
+        self.table, self.key, self.original, self.wrapper = table, key, original, wrapper
 
-    def remove(self) -> None:
-        if self.attribute:
-            if getattr(self.table, self.key, None) is self.wrapper:
-                setattr(self.table, self.key, self.original)
-        elif self.table.get(self.key) is self.wrapper:
+    def restore(self) -> None:
+        if self.table.get(self.key) is self.wrapper:  # leave what someone registered over it
             self.table[self.key] = self.original
 
 
@@ -74,29 +72,28 @@ _hooking = threading.Lock()
 
 
 def hook(hooks: list[Any]) -> None:
-    """Wrap what is not wrapped yet (modules imported since the last call bring new primitives)."""
+    """Wrap what is not wrapped yet (modules imported since the last call bring new primitives);
+    each of ``hooks`` puts one back (``restore()``)."""
     with _hooking:
-        _hook_locked(hooks)
+        for registry in _internals.discharge_registries():
+            for access in _internals.ref_accesses():
+                rule = registry.rules.get(access.primitive)
+                if rule is not None and not _is_ours(rule):
+                    wrapper = _checking_rule(rule, access, registry.leading)
+                    registry.rules[access.primitive] = wrapper
+                    hooks.append(TableEntry(registry.rules, access.primitive, rule, wrapper))
+        module = _internals.hlo_interpreter_module()
+        copy = getattr(module, _internals.BLOCK_COPY, None)
+        if module is not None and callable(copy) and not _is_ours(copy):
+            wrapper = _checking_block_copy(copy)
+            setattr(module, _internals.BLOCK_COPY, wrapper)
+            hooks.append(Patch(module, _internals.BLOCK_COPY, copy, wrapper))
+        if not any(isinstance(f, _QuietFindings) for f in logging.getLogger(_CALLBACK_LOGGER).filters):
+            hooks.append(_QuietFindings())
 
 
-def _hook_locked(hooks: list[Any]) -> None:
-    hooked = {(h.table if isinstance(h.table, str) else id(h.table), h.key) for h in hooks}
-    for registry in _internals.discharge_registries():
-        for access in _internals.ref_accesses():
-            rule = registry.rules.get(access.primitive)
-            if rule is None or (id(registry.rules), access.primitive) in hooked:
-                continue
-            wrapper = _checking_rule(rule, access, registry.leading)
-            registry.rules[access.primitive] = wrapper
-            hooks.append(Hook(registry.rules, access.primitive, rule, wrapper, attribute=False))
-    if ("logging", _CALLBACK_LOGGER) not in hooked:
-        hooks.append(_QuietFindings())
-    module = _internals.hlo_interpreter_module()
-    copy = getattr(module, _internals.BLOCK_COPY, None)
-    if callable(copy) and (id(module), _internals.BLOCK_COPY) not in hooked:
-        wrapper = _checking_block_copy(copy)
-        setattr(module, _internals.BLOCK_COPY, wrapper)
-        hooks.append(Hook(module, _internals.BLOCK_COPY, copy, wrapper, attribute=True))
+def _is_ours(function: Any) -> bool:
+    return getattr(function, "pallas_guard_checking", False) is True
 
 
 _CALLBACK_LOGGER = "jax._src.callback"
@@ -106,8 +103,6 @@ class _QuietFindings(logging.Filter):
     """JAX logs every exception a host callback raises, traceback and all, then raises it: a
     finding reaches the caller in that error; logged as well, it would be said twice."""
 
-    table, key = "logging", _CALLBACK_LOGGER
-
     def __init__(self) -> None:
         super().__init__()
         logging.getLogger(_CALLBACK_LOGGER).addFilter(self)
@@ -116,7 +111,7 @@ class _QuietFindings(logging.Filter):
         raised = record.exc_info[1] if record.exc_info else None
         return not (isinstance(raised, PallasGuardError) and str(raised).startswith(_diagnostics.FINDING))
 
-    def remove(self) -> None:
+    def restore(self) -> None:
         logging.getLogger(_CALLBACK_LOGGER).removeFilter(self)
 
 
@@ -126,6 +121,7 @@ def _checking_rule(rule: Callable[..., Any], access: _internals.RefAccess, leadi
             _check_access(access, args[leading:], params)
         return rule(*args, **params)
 
+    pallas_guard_checked_discharge.pallas_guard_checking = True  # type: ignore[attr-defined]
     return pallas_guard_checked_discharge
 
 
@@ -136,6 +132,7 @@ def _checking_block_copy(copy: Callable[..., Any]) -> Callable[..., Any]:
             _check_block(checking, start, tuple(block_shape), value)
         return copy(start, block_shape, value, *rest)
 
+    pallas_guard_checked_block_copy.pallas_guard_checking = True  # type: ignore[attr-defined]
     return pallas_guard_checked_block_copy
 
 

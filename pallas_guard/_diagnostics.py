@@ -384,10 +384,14 @@ FINDING = "pallas_guard: an out-of-bounds "
 """How every bounds finding begins: found again in the text of the JAX error that carries it."""
 
 
-def bounds_finding(finding: str, *, kernel: KernelInfo, call_site: CallSite) -> PallasGuardError:
-    """The bounds check found an access outside a buffer (the plain interpreter would have clamped
-    it). ``finding`` says which access: ``read [20:28] of a float32[24] buffer at k.py:9 (...)``."""
-    what = "block copy" if finding.startswith("block copy") else finding.split(" [", maxsplit=1)[0]
+def bounds_finding(
+    finding: str, *, kernel: KernelInfo, call_site: CallSite, what: str | None = None
+) -> PallasGuardError:
+    """A bounds check found an access outside a buffer (the interpreter would have clamped it).
+    ``finding`` says which access (``read [20:28] of a float32[24] buffer at k.py:9 (...)``); ``what``
+    kind it is, where the finding does not begin with it."""
+    if what is None:
+        what = "block copy" if finding.startswith("block copy") else finding.split(" [", maxsplit=1)[0]
     return PallasGuardError(
         f"{FINDING}{what} in {_describe(kernel, call_site)}, found by the bounds check "
         f"({CHECKS_ENV}=bounds; the interpreter would have clamped it silently): {finding}"
@@ -420,12 +424,7 @@ def bounds_error(error: BaseException, *, kernel: KernelInfo, call_site: CallSit
     if found is not None:
         return found
     finding = next((line.strip() for line in str(error).splitlines() if "Out-of-bounds read" in line), None)
-    if finding is None:
-        return None
-    return PallasGuardError(
-        f"{FINDING}read in {_describe(kernel, call_site)}, found by the bounds check "
-        f"({CHECKS_ENV}=bounds; the interpreter would have clamped it silently): {finding}"
-    )
+    return None if finding is None else bounds_finding(finding, kernel=kernel, call_site=call_site, what="read")
 
 
 def check_races(out: Any, *, kernel: KernelInfo, call_site: CallSite, interpreter: str = "tpu") -> None:

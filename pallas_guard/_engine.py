@@ -194,6 +194,9 @@ class Run:
         self.candidates = plan.candidates
         self.call_site, self.ledger = call_site, ledger
         self.eager = not _internals.tracing()
+        # An eager bounds-checked call is built marked: JAX keeps one executable per equation, and
+        # the checked one must not be reused for an unchecked call (or the reverse).
+        self.marked = self.eager and "bounds" in self.candidates.checked
 
     # --- the kernel in each interpreter ------------------------------------------------------------
 
@@ -203,11 +206,8 @@ class Run:
 
         def build() -> tuple[Any, Any]:
             value = interpret_value(name, self.candidates, cores=self.tpu_cores)
-            if value is None:  # plain: the kernel as built, the net substitutes the interpreter
-                # An eager bounds-checked call is marked: JAX keeps one executable per equation,
-                # and the checked one must not be reused for an unchecked call (or the reverse).
-                checked = self.eager and name == "plain" and "bounds" in self.candidates.checked
-                return self.kernel.build(marks=_bounds.MARK if checked else None), None
+            if value is None:  # plain: the kernel as built (marked), the net substitutes the interpreter
+                return self.kernel.build(marks=_bounds.MARK if self.marked else None), None
             self.ledger.mark_injected(value)
             return self.kernel.build(value), value
 
@@ -224,7 +224,7 @@ class Run:
     def _memo(self, key: tuple[Hashable, ...], make: Callable[[], Any]) -> Any:
         """What ``make`` gives, once per kernel object, ``key`` and the settings that shape it."""
         c = self.candidates
-        key = (*key, c.detect_races, c.checked, c.eager_dmas, self.tpu_cores, self.eager)
+        key = (*key, c.detect_races, c.checked, c.eager_dmas, self.tpu_cores, self.marked)
         with self.kernel.lock:
             known = self.kernel.variants.get(key)
         if known is None:

@@ -34,7 +34,7 @@ class Status:
     lowering_net_gaps: dict[str, str]
 
 
-class _Patch:
+class Patch:
     """One module attribute replaced by a wrapper, and the exact object to put back."""
 
     def __init__(self, owner: ModuleType, attribute: str, original: Any, wrapper: Any) -> None:
@@ -54,10 +54,11 @@ class Installation:
         self.active = False
         """Read by every wrapper and rule on every call: one attribute, no lock."""
         self.failure: str | None = None
-        self.patches: list[_Patch] = []
+        self.patches: list[Patch] = []
         self.rules: list[Any] = []
         self.hooks: list[Any] = []
-        """JAX functions the bounds check wraps (``_bounds.Hook``), added at its first use."""
+        """What the bounds check wrapped in JAX (discharge rules, the interpreter's block copy), added
+        at its first use; each ``restore()`` puts one back."""
         # Lowering net -> why it is not installed. The front door reads it: where the net is missing
         # it refuses with a diagnostic instead of deferring to a net that is not there.
         self.net_gaps: dict[str, str] = {}
@@ -136,7 +137,7 @@ class Installation:
         while self.rules:
             self.rules.pop().remove()
         while self.hooks:
-            self.hooks.pop().remove()
+            self.hooks.pop().restore()
         self.net_gaps.clear()
 
     # --- what is installed -----------------------------------------------------------------------
@@ -159,7 +160,7 @@ class Installation:
             owners.append(defining)
         for owner in owners:
             name = attribute if owner is module else defined_as
-            self.patches.append(_Patch(owner, name, original, wrapper))
+            self.patches.append(Patch(owner, name, original, wrapper))
             setattr(owner, name, wrapper)
 
     def _install_lowering_net(self) -> None:

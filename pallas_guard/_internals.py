@@ -304,6 +304,14 @@ def exclude_guard_frames_from_jax_tracebacks() -> None:
         _frames_excluded = True
 
 
+def current_traceback() -> Any | None:
+    """The traceback JAX has set as the current source-info context (the equation being lowered or
+    discharged), or None."""
+    source_info = sys.modules.get("jax._src.source_info_util")
+    current = getattr(source_info, "current", None)
+    return getattr(current(), "traceback", None) if current is not None else None
+
+
 def lowering_frames(ctx: Any) -> list[tuple[str, int]]:
     """``(file, line)`` of the non-jax frames of the equation being lowered, innermost first.
 
@@ -311,12 +319,8 @@ def lowering_frames(ctx: Any) -> list[tuple[str, int]]:
     None but sets the equation's traceback as the current source-info context.
     """
     source_info = import_optional("jax._src.source_info_util")
-    if source_info is None:
-        return []
-    traceback = getattr(ctx, "traceback", None)
-    if traceback is None and hasattr(source_info, "current"):
-        traceback = getattr(source_info.current(), "traceback", None)
-    if traceback is None:
+    traceback = getattr(ctx, "traceback", None) or current_traceback()
+    if source_info is None or traceback is None:
         return []
     frames = getattr(source_info, "user_frames", None)
     if frames is not None:
@@ -549,8 +553,7 @@ def access_site() -> tuple[str, int, str] | None:
     """``(file, line, function)`` of the kernel code that made the access being discharged: the
     innermost frame outside jax's internals and the guard (JAX's own kernels count: they live
     outside ``jax/_src``)."""
-    source_info = sys.modules.get("jax._src.source_info_util")
-    traceback = getattr(getattr(source_info, "current", lambda: None)(), "traceback", None)
+    traceback = current_traceback()
     if traceback is None:
         return None
     internal = (f"{os.sep}jax{os.sep}_src{os.sep}", _PACKAGE_DIR + os.sep, "<frozen")
