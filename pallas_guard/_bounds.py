@@ -41,14 +41,22 @@ class _Checking:
     copies: Iterator[int] = dataclasses.field(default_factory=itertools.count)
 
 
-MARK = {"pallas_guard.checks": "bounds"}
-"""The ``metadata`` of a kernel the front door built for an eager bounds-checked call (the plain
-interpreter ignores metadata; it keeps that equation, and its executable, apart)."""
+_MARK_KEY = "pallas_guard"
 
 
-def marked(params: dict[str, Any]) -> bool:
-    metadata = params.get("metadata") or {}
-    return all(metadata.get(key) == value for key, value in MARK.items())
+def mark(checks: frozenset[str]) -> dict[str, str]:
+    """The ``metadata`` of a kernel the guard runs eagerly in the plain interpreter, with the checks
+    in force. JAX keeps one executable per equation (params included) and reuses it for any later
+    eager call of the same equation: marked, the guard's executables are never reused for a call
+    under other checks, under policy ``off`` or after ``uninstall()`` (the plain interpreter ignores
+    metadata)."""
+    return {_MARK_KEY: "+".join(("interpreted", *sorted(checks)))}
+
+
+def marked_checks(params: dict[str, Any]) -> frozenset[str]:
+    """The checks a kernel was marked with (none for an unmarked one)."""
+    value = (params.get("metadata") or {}).get(_MARK_KEY)
+    return frozenset(value.split("+")[1:]) if isinstance(value, str) else frozenset()
 
 
 _checking: contextvars.ContextVar[_Checking | None] = contextvars.ContextVar("pallas_guard_bounds", default=None)
@@ -154,9 +162,13 @@ def lower(
     from jax import lax
     from jax.experimental import checkify, io_callback
 
-    interpret = _internals.plain_interpreter(params)
     tools = _internals.lowering_tools()
-    if interpret is None or tools is None or unchecked_reason("pallas_call", params) is not None:
+    if tools is None or unchecked_reason("pallas_call", params) is not None:
+        return None
+    # The checks go in through discharge rules, whose results JAX caches per jaxpr object: a
+    # private copy neither reads an unchecked discharge cached before nor leaves a checked one.
+    interpret = _internals.plain_interpreter({**params, "jaxpr": _internals.private_copy(params["jaxpr"])})
+    if interpret is None:
         return None
     lower_fun = tools[2]
     hook(hooks)
@@ -229,24 +241,26 @@ def _check_access(access: _internals.RefAccess, operands_flat: Sequence[Any], pa
         operands = tuple(jax.tree_util.tree_unflatten(tree, flat))
     mask = operands[access.mask_at] if access.mask_at is not None and len(operands) > access.mask_at else None
     site = _site()
-    for ordinal, (ref, transforms) in enumerate(_indexed(operands)):
+    for role, ref, transforms in _indexed(operands):
         if access.kind == "copy":  # a DMA: source, destination, then semaphores
-            kind = ("DMA read", "DMA write")[ordinal] if ordinal < 2 else "semaphore access"
+            kind = ("DMA read", "DMA write")[role] if role < 2 else "semaphore access"
         else:
             kind = access.kind
-        _check_indexed(kind, ref, transforms, mask if ordinal == 0 else None, site)
+        _check_indexed(kind, ref, transforms, mask if role == 0 else None, site)
 
 
-def _indexed(operands: Sequence[Any]) -> Iterator[tuple[Any, tuple[Any, ...]]]:
-    """(ref, its transforms) for each indexed ref among an access's operands: a ``(ref,
-    transforms)`` pair of neighbours, or a transformed-ref object."""
+def _indexed(operands: Sequence[Any]) -> Iterator[tuple[int, Any, tuple[Any, ...]]]:
+    """(role, ref, its transforms) for each indexed ref among an access's operands: a ``(ref,
+    transforms)`` pair of neighbours (older jax), or a transformed-ref object. ``role`` counts the
+    ref operands, indexed or whole (a DMA's source is 0, its destination 1)."""
     indexer = _internals.nd_indexer_class()
+    pairs = len(operands) > 1 and isinstance(operands[1], tuple | list)
     for position, item in enumerate(operands):
         transforms = getattr(item, "transforms", None)
         if transforms is not None and hasattr(item, "ref"):
-            yield item.ref, tuple(transforms)
+            yield position, item.ref, tuple(transforms)
         elif position and isinstance(item, tuple | list) and any(isinstance(t, indexer or ()) for t in item):
-            yield operands[position - 1], tuple(item)
+            yield (position - 1) // 2 if pairs else position - 1, operands[position - 1], tuple(item)
 
 
 def _site() -> str:

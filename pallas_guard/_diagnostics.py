@@ -398,6 +398,27 @@ def bounds_finding(
     )
 
 
+def disagreement(
+    found: Any, *, kernel: KernelInfo, call_site: CallSite, compared: Iterable[str], synthetic: bool
+) -> PallasGuardError:
+    """Two interpreters ran the same kernel on the same inputs and returned different bits
+    (``found``: an ``_agree.Disagreement``)."""
+    describe = _interpreters.describe_interpreter
+    where = f" at [{', '.join(map(str, found.at))}]" if found.at else ""
+    inputs = "inputs made from the traced shapes (the call is traced)" if synthetic else "the call's inputs"
+    why = (
+        f"it agrees with the majority of {', '.join(map(describe, compared))}"
+        if found.majority
+        else "no majority decides, and the plain interpreter simulates nothing"
+    )
+    return PallasGuardError(
+        f"pallas_guard: interpreters disagree on {_describe(kernel, call_site)}, found by the agree check "
+        f"({CHECKS_ENV}=agree): on {inputs}, output {found.output}{where} is {found.first_value!r} in "
+        f"{describe(found.first)} but {found.second_value!r} in {describe(found.second)}. The guard now runs "
+        f"this kernel in {describe(found.right)} ({why}); to choose yourself: {INTERPRETER_ENV}=plain|tpu|gpu."
+    )
+
+
 def unchecked_bounds(kernel: KernelInfo, call_site: CallSite, *, why: str) -> None:
     """The bounds check could not be applied to a kernel that runs without it: say so."""
     _warn_at(

@@ -25,7 +25,7 @@ import weakref
 from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
-from . import _act, _bounds, _diagnostics, _internals, _interpreters, _plan, _settings
+from . import _act, _agree, _bounds, _diagnostics, _internals, _interpreters, _plan, _settings
 from ._enums import Policy
 from ._errors import PallasGuardError
 from ._kernel import Kernel
@@ -194,9 +194,9 @@ class Run:
         self.candidates = plan.candidates
         self.call_site, self.ledger = call_site, ledger
         self.eager = not _internals.tracing()
-        # An eager bounds-checked call is built marked: JAX keeps one executable per equation, and
-        # the checked one must not be reused for an unchecked call (or the reverse).
-        self.marked = self.eager and "bounds" in self.candidates.checked
+        # An eager call is built marked with its checks: JAX keeps one executable per equation, and
+        # the guard's must not be reused under other checks, policy off or after uninstall().
+        self.marks = _bounds.mark(self.candidates.checked) if self.eager else None
 
     # --- the kernel in each interpreter ------------------------------------------------------------
 
@@ -207,7 +207,7 @@ class Run:
         def build() -> tuple[Any, Any]:
             value = interpret_value(name, self.candidates, cores=self.tpu_cores)
             if value is None:  # plain: the kernel as built (marked), the net substitutes the interpreter
-                return self.kernel.build(marks=_bounds.MARK if self.marked else None), None
+                return self.kernel.build(marks=self.marks), None
             self.ledger.mark_injected(value)
             return self.kernel.build(value), value
 
@@ -224,7 +224,7 @@ class Run:
     def _memo(self, key: tuple[Hashable, ...], make: Callable[[], Any]) -> Any:
         """What ``make`` gives, once per kernel object, ``key`` and the settings that shape it."""
         c = self.candidates
-        key = (*key, c.detect_races, c.checked, c.eager_dmas, self.tpu_cores, self.marked)
+        key = (*key, c.detect_races, c.checked, c.eager_dmas, self.tpu_cores, self.eager)
         with self.kernel.lock:
             known = self.kernel.variants.get(key)
         if known is None:
@@ -257,13 +257,61 @@ class Run:
 
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         __tracebackhide__ = True
-        if not self.candidates.verify:
+        agree = "agree" in self.candidates.checked
+        if not self.candidates.verify and not agree:
             return self._run(self.candidates.names[0], args, kwargs, tried=())
         key = self._settled_key(args, kwargs)
-        known = self.ledger.settled(key) if key[0] is not None else self.kernel.settled.get(key)
+        known = self._settled(key)
+        if known is None and agree:
+            self._agree(args, kwargs, key)
+            known = self._settled(key)
         if known is not None:
             return self._run(known[0], args, kwargs, tried=known[1])
+        if not self.candidates.verify:
+            return self._run(self.candidates.names[0], args, kwargs, tried=())
         return self._verify_and_run(args, kwargs, key)
+
+    def _settled(self, key: tuple[Hashable, ...]) -> tuple[str, tuple[str, ...]] | None:
+        return self.ledger.settled(key) if key[0] is not None else self.kernel.settled.get(key)
+
+    # --- the agree check ---------------------------------------------------------------------------
+
+    def _agree(self, args: tuple[Any, ...], kwargs: dict[str, Any], key: tuple[Hashable, ...]) -> None:
+        """Run the kernel in every interpreter that can run it (its candidates first, then plain and
+        TPU interpret mode, and the Mosaic-GPU interpreter for Mosaic-GPU kernels; those the table
+        says get it wrong left out) and compare their outputs bit for bit; settle on the first
+        candidate that ran, or on the one the majority says is right after raising the finding."""
+        family = self.kernel.facts.family
+        pool = (*self.candidates.names, "plain", "tpu", *(("gpu",) if family == "mosaic_gpu" else ()))
+        names = [n for n in dict.fromkeys(pool) if _interpreters.available(n)]
+        names = [n for n in names if _interpreters.gets_wrong(n, self.kernel.facts) is None]
+        made_args, made_kwargs, synthetic = _agree.inputs_for(args, kwargs)
+        outputs: dict[str, list[Any]] = {}
+        tried: list[str] = []
+        for name in names:
+            try:
+                outputs[name] = self._run_now(name, made_args, made_kwargs, synthetic=synthetic)
+            except _NEVER_RETRIED:
+                raise
+            except Exception as error:
+                if name != "plain":
+                    _internals.reset_interpreter(name)
+                tried.append(f"{name}: failed ({_diagnostics.first_line(error)})")
+                continue
+            tried.append(f"{name}: ran")
+        ran = [n for n in names if n in outputs]
+        if not ran:
+            return  # no interpreter ran it on these inputs: the call fails (or verifies) as without the check
+        found = _agree.compare(outputs, ran)
+        chosen = next((n for n in self.candidates.names if n in outputs), ran[0])
+        if found is None:
+            verdict = f"{', '.join(ran)} agree bit for bit" if len(ran) > 1 else f"only {ran[0]} runs it"
+            self._settle(key, (chosen, (*tried, f"agree: {verdict}")))
+            return
+        self._settle(key, (found.right, (*tried, f"agree: {found.first} and {found.second} disagree")))
+        raise _diagnostics.disagreement(
+            found, kernel=self.kernel.info, call_site=self.call_site, compared=ran, synthetic=synthetic
+        )
 
     def _settled_key(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Hashable, ...]:
         c = self.candidates
@@ -351,6 +399,19 @@ class Run:
             target=self.target,
             why=self.candidates.reason,
         ) from failures[0][1]
+
+    def _run_now(self, name: str, args: Any, kwargs: Any, *, synthetic: bool) -> list[Any]:
+        """The kernel's outputs in interpreter ``name``, computed now (under an outer trace too: an
+        executable of its own, run outside the trace, where the interpreters' host callbacks work)."""
+        import jax
+
+        jitted: Any = self._jitted(name)
+        with self.ledger.verification():
+            if not synthetic:
+                return _agree.leaves(jitted(*args, **kwargs))
+            compiled = jitted.lower(*args, **kwargs).compile()
+        with jax.ensure_compile_time_eval():
+            return _agree.leaves(compiled(*args, **kwargs))
 
     # --- carrying the choice out -------------------------------------------------------------------
 

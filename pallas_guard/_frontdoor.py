@@ -16,8 +16,9 @@ import operator
 from collections.abc import Callable
 from typing import Any
 
-from . import _act, _device, _diagnostics, _engine, _internals, _interpreters, _plan, _settings, _target
+from . import _act, _bounds, _device, _diagnostics, _engine, _internals, _interpreters, _plan, _settings, _target
 from ._entry_points import EntryPoint
+from ._enums import Policy
 from ._kernel import Kernel
 from ._ledger import Guarding
 
@@ -34,9 +35,13 @@ def wrap_entry_point(original: Callable[..., Any], entry: EntryPoint, installati
         except Exception as error:
             note_which_accelerator(error)
             raise
-        if kwargs.get("interpret") or not callable(built):
-            return built  # the caller chose an interpreter: JAX's own, untouched
+        if not callable(built):
+            return built
         kernel = Kernel(entry, wrapped, args, kwargs)
+        if kwargs.get("interpret"):
+            # The caller chose an interpreter: JAX's own, untouched, but for the key of an eager
+            # plain run the guard checks (below).
+            return _by_hand(kernel, built, installation) if kwargs["interpret"] is True else built
         if entry.returns_kernel(args, kwargs):
             return _guarded_kernel(kernel, built, installation)
         return _guarded_decorator(kernel, built, installation)
@@ -57,6 +62,37 @@ def _guarded_kernel(kernel: Kernel, built: Any, installation: Guarding) -> Any:
         return at_call(kernel, wrapped, args, kwargs, installation)
 
     return _kernel_wrapper_class()(built, pallas_guard_kernel, installation.is_active)
+
+
+def _by_hand(kernel: Kernel, built: Any, installation: Guarding) -> Any:
+    """A kernel built with ``interpret=True``: it runs as built, except that an eager call under
+    checks runs marked with them (the net checks the user's plain interpreter too), so that JAX's
+    executable for it is never reused without the checks, nor the unchecked one with them."""
+    if not kernel.entry.returns_kernel(kernel.args, kernel.kwargs):
+        return built
+
+    def pallas_guard_by_hand(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
+        __tracebackhide__ = True
+        del instance
+        checks = frozenset(_settings.current("checks").value) & {"bounds"}
+        if not checks or _internals.tracing() or _settings.current_policy().value is Policy.OFF:
+            return wrapped(*args, **kwargs)
+        marks = _bounds.mark(checks)
+        with kernel.lock:
+            marked = kernel.variants.get(("by hand", *marks.items()))
+        if marked is None:
+            marked = kernel.build(marks=marks)
+            with kernel.lock:
+                marked = kernel.variants.setdefault(("by hand", *marks.items()), marked)
+        try:
+            return marked(*args, **kwargs)
+        except Exception as error:
+            finding = _diagnostics.finding_in(error)
+            if finding is not None:
+                raise finding from error
+            raise
+
+    return _kernel_wrapper_class()(built, pallas_guard_by_hand, installation.is_active)
 
 
 def _guarded_decorator(kernel: Kernel, decorator: Any, installation: Guarding) -> Any:
@@ -151,11 +187,12 @@ def candidates(kernel: Kernel) -> _interpreters.Candidates:
         kernel.facts,
         checks=frozenset(checks.value),
         checks_from=checks.source,
-        inside_lowering=_internals.inside_lowering(),
+        effects_refused=_internals.effects_refused(),
     )
     names = tuple(name for name in chosen.names if _interpreters.available(name)) or ("plain",)
     lacking = names != chosen.names
-    return chosen._replace(names=names, verify=chosen.verify and len(names) > 1, lacking=lacking)
+    checked = chosen.checked | (frozenset(checks.value) & {"agree"})
+    return chosen._replace(names=names, verify=chosen.verify and len(names) > 1, lacking=lacking, checked=checked)
 
 
 def _fallback(target: _target.Target, plan: _plan.Plan) -> _target.Target:

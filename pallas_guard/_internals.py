@@ -456,13 +456,22 @@ def running_in(module_names: frozenset[str]) -> bool:
     return False
 
 
-_LOWERING_MODULES = frozenset({"jax._src.interpreters.mlir"})
+# Where a kernel is traced whose enclosing lowering has no place for an interpreter's ordered
+# effects (their tokens): another primitive's lowering rule (a PRNG implementation), and the body of
+# a custom_partitioning, lowered by mlir.lower_fun without tokens (KeyError: OrderedIOEffect).
+_EFFECTS_REFUSED = (
+    ("jax._src.interpreters.mlir", "traced during lowering"),
+    ("jax._src.custom_partitioning", "traced inside a custom_partitioning, whose lowering carries no effects"),
+)
 
 
-def inside_lowering() -> bool:
-    """True while JAX lowers (a kernel traced from another primitive's lowering rule, e.g. a PRNG
-    implementation): an interpreter that adds effects at trace time cannot be used there."""
-    return running_in(_LOWERING_MODULES)
+def effects_refused() -> str | None:
+    """Why an interpreter that adds effects at trace time cannot be used where the kernel is being
+    traced now, or None."""
+    for module_name, why in _EFFECTS_REFUSED:
+        if running_in(frozenset({module_name})):
+            return why
+    return None
 
 
 # --- the bounds check on the plain interpreter ----------------------------------------------------
@@ -618,6 +627,36 @@ def jaxpr_equations(jaxpr: Any) -> Iterator[Any]:
                 for item in value if isinstance(value, (tuple, list)) else (value,):
                     if hasattr(item, "eqns") or hasattr(getattr(item, "jaxpr", None), "eqns"):
                         pending.append(item)
+
+
+def private_copy(jaxpr: Any) -> Any:
+    """``jaxpr`` rebuilt from fresh objects down to every nested jaxpr (a ``jit`` helper's, a
+    ``run_state`` body, loop and branch bodies), sharing equations' variables and values.
+
+    JAX caches what it derives from a jaxpr (its state discharge, above all) by the jaxpr object,
+    weakly: a transformation that changes a discharge rule must not read what an earlier lowering
+    cached, nor leave its own result where a later lowering would read it. On a private copy both
+    hold, and the cache entries die with the copy."""
+
+    def copy(value: Any) -> Any:
+        inner = getattr(value, "jaxpr", None)
+        if inner is not None and inner is not value and hasattr(inner, "eqns"):  # a ClosedJaxpr (jax < 0.12)
+            return value.replace(jaxpr=copy(inner))
+        if hasattr(value, "eqns") and callable(getattr(value, "replace", None)):
+            eqns = [e.replace(params={k: param(v) for k, v in e.params.items()}) for e in value.eqns]
+            return value.replace(eqns=eqns)
+        return value
+
+    def param(value: Any) -> Any:
+        if isinstance(value, tuple | list) and any(_jaxpr_like(item) for item in value):
+            return type(value)(copy(item) if _jaxpr_like(item) else item for item in value)
+        return copy(value) if _jaxpr_like(value) else value
+
+    return copy(jaxpr)
+
+
+def _jaxpr_like(value: Any) -> bool:
+    return hasattr(value, "eqns") or hasattr(getattr(value, "jaxpr", None), "eqns")
 
 
 def lowers_for_cpu(primitive: Any, registry: LoweringRegistry) -> bool:

@@ -42,6 +42,8 @@ class KernelFacts(NamedTuple):
     plain_risk: str | None = None
     """What in a Mosaic-TPU kernel the plain interpreter may not lower (DMAs, semaphores, memory
     spaces, scalar prefetch, TPU primitives, a jitted body), or None: block specs and vector code."""
+    grid_of_steps: str | None = None
+    """A ``pallas_call`` whose grid has more than one step (known statically), or None."""
 
 
 GENERIC = KernelFacts(None, "no backend-specific compiler_params, mesh, grid spec or scratch types", None)
@@ -123,7 +125,7 @@ def innermost_function(body: object) -> Any:
     return function
 
 
-def _code_objects(body: object, *, helpers: bool = False) -> Iterator[types.CodeType]:
+def code_objects(body: object, *, helpers: bool = False) -> Iterator[types.CodeType]:
     """The body's code, then its nested functions' (``pl.when`` bodies, loop bodies, lambdas); with
     ``helpers``, also the code of module-level functions of the body's own module that they call."""
     function = innermost_function(body)
@@ -147,7 +149,7 @@ def _code_objects(body: object, *, helpers: bool = False) -> Iterator[types.Code
 
 
 def _body_cross_device(body: object) -> str | None:
-    for code in _code_objects(body):
+    for code in code_objects(body):
         names = _CROSS_DEVICE_NAMES.intersection(code.co_names)
         if names:
             return f"its body calls {', '.join(sorted(names))}"
@@ -164,7 +166,7 @@ _GRID_NAMES = frozenset({"program_id", "num_programs"})
 def _program_id_in_control_flow(body: object) -> str | None:
     """A nested function of the body (a ``pl.when``/``cond``/loop body), or a helper of its module,
     that reads the grid position: where the plain interpreter may not substitute it."""
-    codes = _code_objects(body, helpers=True)
+    codes = code_objects(body, helpers=True)
     if not _under_jit(body):
         next(codes, None)  # the body's own top level: the plain interpreter handles it there
     for code in codes:
@@ -241,7 +243,19 @@ def kernel_facts(entry_point: str, body: object, kwargs: Mapping[str, Any], mesh
         entry_point,
         _captured_refs(body),
         _plain_risk(body, kwargs, scratch) if family == "mosaic_tpu" else None,
+        _grid_of_steps(entry_point, grid_spec, kwargs.get("grid")),
     )
+
+
+def _grid_of_steps(entry_point: str, grid_spec: object, grid: object) -> str | None:
+    grid = grid if grid is not None else getattr(grid_spec, "grid", None)
+    grid = (grid,) if isinstance(grid, int) else grid
+    if entry_point != "pallas_call" or not isinstance(grid, tuple | list):
+        return None
+    steps = 1
+    for size in grid:
+        steps *= size if isinstance(size, int) else 2  # a dynamic size may be more than one
+    return f"its grid {tuple(grid)} has more than one step" if steps > 1 else None
 
 
 # What a Mosaic-TPU kernel uses that the plain interpreter lowers through discharge rules with gaps
@@ -280,7 +294,7 @@ def _plain_risk(body: object, kwargs: Mapping[str, Any], scratch: object) -> str
         word = str(getattr(space, "name", space)).upper()
         if space is not None and any(risky in word for risky in _PLAIN_RISKY_SPACES):
             return f"it uses memory space {word}"
-    for code in _code_objects(body, helpers=True):
+    for code in code_objects(body, helpers=True):
         names = _PLAIN_RISKY_NAMES.intersection(code.co_names)
         if names:
             return f"{code.co_name} uses {', '.join(sorted(names))}"
@@ -300,7 +314,7 @@ def _program_id_nested(body: object) -> str | None:
     tops.update(
         getattr(value, "__code__", None) for value in namespace.values() if isinstance(value, types.FunctionType)
     )
-    for code in _code_objects(body, helpers=True):
+    for code in code_objects(body, helpers=True):
         if code in tops or code.co_name in _COMPREHENSIONS:  # a comprehension runs where it stands
             continue
         if _GRID_NAMES.intersection(code.co_names):
@@ -337,39 +351,55 @@ def _filled(cell: types.CellType) -> bool:
     return True
 
 
-class PlainGap(NamedTuple):
-    """Something the plain interpreter gets wrong (it runs, and the answer is wrong)."""
+class Gap(NamedTuple):
+    """Something an interpreter gets wrong: it runs the kernel, and the answer is wrong."""
 
+    interpreter: str
+    """``"plain"``, ``"tpu"`` or ``"gpu"``."""
     fact: str
     """The ``KernelFacts`` field that detects such a kernel."""
     wrong: str
-    """What the plain interpreter gets wrong."""
+    """What the interpreter gets wrong."""
     below: tuple[int, ...] | None
     """The jax releases it applies to: below this one (None: every supported release)."""
     seen: str
     """Where it was seen: the kernel in the tests that shows it, and the jax versions run."""
 
 
-PLAIN_GETS_WRONG = (
-    PlainGap(
+GETS_WRONG = (
+    Gap(
+        "plain",
         "captured_refs",
         "drops the writes a kernel makes to refs it captures",
         (0, 11, 2),  # 0.11.0 and 0.11.1 unmeasured: the correct interpreter, not the fast one
         "tests/test_right_answers.py: a DMA copy into a ref captured through pl.run_state returns zeros in "
         "jax 0.7.2 and 0.10.2 (1023 of 1024 elements wrong); right in 0.11.2 and 0.12.0.1",
     ),
+    Gap(
+        "gpu",
+        "grid_of_steps",
+        "runs every step of a pallas_call's grid as program 0 (the rest of the output is never written: NaN)",
+        None,
+        "tests/test_right_answers.py: o_ref[i, :] = x_ref[i, :] * 2 over GMEM refs with a grid of 2 computes "
+        "row 0 only, the other row NaN, in jax 0.10.2 and 0.12.0.1 (the plain interpreter is exact)",
+    ),
 )
-"""What the plain interpreter gets wrong: a kernel with such a fact goes to TPU interpret mode."""
+"""What each interpreter gets wrong: a kernel with such a fact never runs in that interpreter."""
+
+
+def gets_wrong(interpreter: str, facts: KernelFacts) -> str | None:
+    """Why ``interpreter`` would return a wrong answer for this kernel on this jax, or None."""
+    release = _internals.jax_release()
+    for gap in GETS_WRONG:
+        detected = getattr(facts, gap.fact) if gap.interpreter == interpreter else None
+        if detected and (gap.below is None or not release or release < gap.below):
+            who = describe_interpreter(gap.interpreter)
+            return f"{detected}, and {who} {gap.wrong} in jax {_internals.jax_version()}"
+    return None
 
 
 def plain_gets_wrong(facts: KernelFacts) -> str | None:
-    """Why the plain interpreter would return a wrong answer for this kernel on this jax, or None."""
-    release = _internals.jax_release()
-    for gap in PLAIN_GETS_WRONG:
-        detected = getattr(facts, gap.fact)
-        if detected and (gap.below is None or not release or release < gap.below):
-            return f"{detected}, and the plain interpreter {gap.wrong} in jax {_internals.jax_version()}"
-    return None
+    return gets_wrong("plain", facts)
 
 
 # --- the choice ---------------------------------------------------------------------------------
@@ -381,7 +411,7 @@ def candidates(
     *,
     checks: frozenset[str] = frozenset(),
     checks_from: str = CHECKS_ENV,
-    inside_lowering: bool = False,
+    effects_refused: str | None = None,
 ) -> Candidates:
     """The interpreters for one kernel, best first: the user's forced one, else by the kernel's facts.
 
@@ -392,11 +422,14 @@ def candidates(
     (``Candidates.checks_note`` says why, or says what a check that moved the kernel off the plain
     interpreter costs).
     """
+    checks = checks - {"agree"}  # not an interpreter's check: the engine compares interpreters
     bounds = frozenset(checks & {"bounds"})  # every interpreter checks bounds: see below
-    if inside_lowering:
-        # Traced from another primitive's lowering rule: TPU/GPU params would need effect tokens
-        # that lowering has no place for (KeyError: OrderedIOEffect); the net's plain one works.
-        chosen = PLAIN_ONLY._replace(reason="traced during lowering, where only the plain interpreter can be used")
+    if effects_refused is not None:
+        # TPU/GPU params add ordered effects, whose tokens this place has no room for (KeyError:
+        # OrderedIOEffect at the outer lowering); the net's plain interpreter adds none.
+        chosen = PLAIN_ONLY._replace(
+            reason=f"{effects_refused}: only the plain interpreter, which adds no effects, can be used there"
+        )
         return chosen._replace(checked=bounds, checks_note=_unchecked(checks - bounds, chosen.reason))
     forced = setting.value
     chosen = _by_facts(setting, facts)
@@ -443,7 +476,24 @@ def _unchecked(checks: frozenset[str], why: str) -> str | None:
     return f"runs unchecked: {', '.join(sorted(checks))} could not be checked: {why}" if checks else None
 
 
-def _by_facts(setting: Setting[Interpreter], facts: KernelFacts) -> Candidates:  # noqa: PLR0911
+def _by_facts(setting: Setting[Interpreter], facts: KernelFacts) -> Candidates:
+    """The candidates the facts call for, less those the table says get this kernel wrong (a forced
+    interpreter is the user's to answer for)."""
+    chosen = _by_family(setting, facts)
+    if setting.value is not Interpreter.AUTO:
+        return chosen
+    wrong = {name: gets_wrong(name, facts) for name in chosen.names}
+    kept = tuple(name for name in chosen.names if wrong[name] is None)
+    if kept == chosen.names or not kept:
+        return chosen
+    verify = chosen.verify and len(kept) > 1
+    # Reasons read "why: which interpreters"; the interpreters part is rewritten.
+    order = ", then ".join(describe_interpreter(name) for name in kept) + (", verified" if verify else "")
+    dropped = "; ".join(f"not {describe_interpreter(name)}: {why}" for name, why in wrong.items() if why)
+    return chosen._replace(names=kept, verify=verify, reason=f"{chosen.reason.rsplit(': ', 1)[0]}: {order}; {dropped}")
+
+
+def _by_family(setting: Setting[Interpreter], facts: KernelFacts) -> Candidates:  # noqa: PLR0911
     forced = setting.value
     if forced is not Interpreter.AUTO:
         return Candidates(

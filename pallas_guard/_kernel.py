@@ -65,11 +65,18 @@ class Kernel:
     @functools.cached_property
     def identity(self) -> Hashable | None:
         """What determines this kernel's interpreter choice: the entry point, the body with its
-        closure and partial values, and every argument it was built with (grid, specs, shapes,
+        closure and partial values, the module globals its code reads (a flag that switches what
+        the body traces), and every argument it was built with (grid, specs, shapes,
         ``compiler_params``). None when a part has no stable value (then choices are kept per
         kernel object only: an ``id()`` may be reused by another kernel)."""
         try:
-            return (self.entry.label, fingerprint(self.body), fingerprint(self.args), fingerprint(self.kwargs))
+            return (
+                self.entry.label,
+                fingerprint(self.body),
+                fingerprint(_globals_read(self.body)),
+                fingerprint(self.args),
+                fingerprint(self.kwargs),
+            )
         except _Unstable:
             return None
 
@@ -87,6 +94,17 @@ class Kernel:
             kwargs["compiler_params"] = None
         built = self.original(*self.args, **kwargs)
         return built(self.decorated) if self.decorated is not None else built
+
+
+def _globals_read(body: object) -> dict[str, object]:
+    """The module globals the body's code, its nested functions and its module's helpers name."""
+    namespace = getattr(_interpreters.innermost_function(body), "__globals__", None) or {}
+    return {
+        name: namespace[name]
+        for code in _interpreters.code_objects(body, helpers=True)
+        for name in code.co_names
+        if name in namespace and not isinstance(namespace[name], types.ModuleType)
+    }
 
 
 @functools.lru_cache(maxsize=64)

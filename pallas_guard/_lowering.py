@@ -107,7 +107,7 @@ def make_cpu_rule(entry_point: str, delegate: LoweringRule, installation: Guardi
 
     def bounds_wanted(params: dict[str, Any]) -> bool:
         """In force here, or marked by the front door where the kernel was called."""
-        return "bounds" in _settings.current("checks").value or _bounds.marked(params)
+        return "bounds" in _settings.current("checks").value or "bounds" in _bounds.marked_checks(params)
 
     pallas_guard_cpu_rule.__qualname__ = f"pallas_guard_cpu_rule[{entry_point}]"
     return pallas_guard_cpu_rule

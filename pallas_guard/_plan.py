@@ -111,24 +111,26 @@ def plan(situation: Situation) -> Plan:  # noqa: PLR0911, PLR0912 - one return p
         return over_budget or Plan(Action.INTERPRET, reason, warn=warn, record=True, steps=steps)
     assert s.candidates is not None, "the front door passes the kernel's candidates"
     candidates = s.candidates()
-    if not _needs_front_door(candidates, eager=s.eager):
+    if not _needs_front_door(candidates):
         if s.net_gap is not None:
             return Plan(Action.REFUSE, f"falls back to strict: {s.net_gap}", record=True, fallback=s.net_gap)
-        if over_budget is not None and s.eager:
-            return over_budget
-        return Plan(Action.DEFER, f"{reason}; the plain interpreter, substituted by the lowering net")
+        if not s.eager:
+            return Plan(Action.DEFER, f"{reason}; the plain interpreter, substituted by the lowering net")
+        # An eager call runs through the engine too: built marked with its checks, so that JAX's
+        # executable for it is the guard's own (never reused under other settings).
     return over_budget or Plan(Action.INTERPRET, reason, warn=warn, record=True, candidates=candidates, steps=steps)
 
 
-def _needs_front_door(candidates: Candidates, *, eager: bool) -> bool:
-    """Whether the front door must act: another interpreter than plain, a choice to verify, or an
-    eager call checked for bounds (built marked, so that JAX's executable for it is its own)."""
+def _needs_front_door(candidates: Candidates) -> bool:
+    """Whether the front door must act under any trace: another interpreter than plain, a choice
+    to verify, a warning about the checks, a missing interpreter to explain, or interpreters to
+    compare (``agree``)."""
     return (
         candidates.names != ("plain",)
         or candidates.verify
-        or candidates.checks_note is not None  # a warning to give
+        or candidates.checks_note is not None
         or candidates.lacking
-        or (eager and "bounds" in candidates.checked)
+        or "agree" in candidates.checked
     )
 
 

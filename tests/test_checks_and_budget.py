@@ -185,7 +185,7 @@ def test_a_kernel_no_interpreter_can_check_for_races_runs_unchecked_and_the_reco
 def test_a_bad_checks_value_names_the_input(bad: str) -> None:
     if not bad:
         pytest.skip("an empty variable means unset; an empty API string is rejected below")
-    with pytest.raises(pallas_guard.PallasGuardConfigError, match="'races', 'bounds' \\(comma-separated\\)"):
+    with pytest.raises(pallas_guard.PallasGuardConfigError, match="'races', 'bounds', 'agree' \\(comma-separated\\)"):
         pallas_guard.install(checks=bad)
 
 

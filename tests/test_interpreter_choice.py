@@ -247,7 +247,7 @@ def test_a_check_warns_of_its_cost_only_where_it_moves_a_kernel_off_plain() -> N
 
 def test_inside_a_lowering_only_plain_is_possible() -> None:
     facts = _interpreters.kernel_facts("pallas_call", remote_kernel, {})
-    chosen = _interpreters.candidates(_setting("tpu"), facts, inside_lowering=True)
+    chosen = _interpreters.candidates(_setting("tpu"), facts, effects_refused="traced during lowering")
     assert chosen.names == ("plain",)
     assert "lowering" in chosen.reason
 

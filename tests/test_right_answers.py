@@ -68,7 +68,7 @@ def test_a_kernel_writing_captured_refs_gets_the_right_answer(guard: Callable[..
 def test_the_table_row_for_captured_refs_shows_what_plain_gets_wrong(guard: Callable[..., None]) -> None:
     """The row's evidence: forced to the plain interpreter, the same kernel returns zeros on the jax
     versions the row applies to (and the right answer on the others)."""
-    (row,) = [gap for gap in _interpreters.PLAIN_GETS_WRONG if gap.fact == "captured_refs"]
+    (row,) = [gap for gap in _interpreters.GETS_WRONG if gap.fact == "captured_refs"]
     guard("interpret", interpreter="plain")
     out = np.asarray(jax.jit(_stateful_copy)(X))
     applies = row.below is None or _internals.jax_release() < row.below
