@@ -156,10 +156,11 @@ def _pytest_report(problems: list[str]) -> dict[str, Any]:
     for name, value in values.items():
         source = f"{OPTIONS[name].ini} in {os.path.basename(path)}"
         try:
-            OPTIONS[name].parse(value, source)
+            parsed = OPTIONS[name].parse(value, source)
         except (ValueError, TypeError) as error:
-            problems.append(str(error))
-        settings[name] = {"value": value.strip(), "source": source}
+            problems.append(str(error))  # pytest stops with a usage error on it: no value to show
+            continue
+        settings[name] = {"value": OPTIONS[name].word(parsed), "source": source}
     return {"file": path, "settings": settings}
 
 
@@ -241,8 +242,8 @@ def _verdict(report: dict[str, Any]) -> str:
     verdict = f"Pallas kernels here will {outcome} {where}."
     in_pytest = report["pytest"]["settings"]
     if "policy" in in_pytest or "interpreter" in in_pytest:
-        policy = in_pytest.get("policy", {}).get("value", policy).lower()
-        interpreter = in_pytest.get("interpreter", {}).get("value", settings["interpreter"]["value"]).lower()
+        policy = in_pytest.get("policy", {}).get("value", policy)
+        interpreter = in_pytest.get("interpreter", {}).get("value", settings["interpreter"]["value"])
         source = os.path.basename(report["pytest"]["file"])
         verdict += f" In pytest runs started here ({source}): {_settings.outcome(policy, interpreter, platform).text}."
     return verdict
