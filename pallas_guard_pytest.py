@@ -181,6 +181,8 @@ def _row(decision: Any, nodeid: str) -> dict[str, Any]:
         "entry_point": decision.entry_point,
         "steps": decision.steps,
         "notes": list(getattr(decision, "notes", ())),
+        # The one reason sentence (repr(decision) prints it too); a recording guard without it: its reason.
+        "why": getattr(decision, "why", "") or decision.reason,
     }
 
 
@@ -386,16 +388,24 @@ def _over_budget_error(error: BaseException | None) -> BaseException | None:
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item: pytest.Item) -> Generator[None, Any, Any]:
     """A test whose host code asked which TPU/GPU it runs on and got the CPU: its error gains a note
-    naming the device setting that answers it (the error keeps its type)."""
+    naming the device setting that answers it (the error keeps its type). A guard's error is
+    reported once, at the user's line: JAX's repetitions of it dropped."""
     __tracebackhide__ = True
     try:
         return (yield)
     except Exception as error:
+        if "pallas_guard" not in sys.modules:
+            raise
+        from pallas_guard import _diagnostics
+        from pallas_guard._frontdoor import note_which_accelerator
+
         session = item.config.stash.get(_KEY, None)
         if session is not None and session.active:
-            from pallas_guard._frontdoor import note_which_accelerator
-
             note_which_accelerator(error)
+        # The guard's own error, once, where JAX repeats it or carries it inside its runtime error.
+        shown = _diagnostics.as_reported(error)
+        if shown is not error:
+            raise shown from None
         raise
 
 
@@ -490,8 +500,7 @@ def summary_lines(rows: list[dict[str, Any]], *, details: bool) -> list[str]:
         lines.append(
             printable(
                 f"{row['action'].upper()}{how} {row['test']}: {row['kernel']} ({row['entry_point']}, defined at "
-                f"{row['defined_at'] or '?'}, called at {row['called_at'] or '?'}{steps}) "
-                f"[{row['layer']}, policy {row['policy']}]"
+                f"{row['defined_at'] or '?'}, called at {row['called_at'] or '?'}{steps}): {row['why']}"
             )
         )
     return lines
@@ -501,12 +510,14 @@ def duration_lines(rows: list[dict[str, Any]], durations: dict[str, float], *, c
     """The slowest tests that ran interpreted kernels (``count``; 0: all), slowest first: the
     test's call-phase duration, its id, and its kernels with interpreter and grid steps."""
     kernels: dict[str, Counter[str]] = {}
+    whys: dict[str, dict[str, None]] = {}
     for row in rows:
         if row["action"] == "interpreted" and row["test"] != OUTSIDE_TESTS:
             steps = row.get("steps")
-            counted = "? steps" if steps is None else f"{steps} step{'s' if steps != 1 else ''}"
+            counted = "grid steps unknown" if steps is None else f"{steps} step{'s' if steps != 1 else ''}"
             what = f"{row['kernel']} ({row['interpreter'] or '?'}, {counted})"
             kernels.setdefault(row["test"], Counter())[what] += 1
+            whys.setdefault(row["test"], {})[f"{row['kernel']}: {row['why']}"] = None
     if not kernels:
         return []
     slowest = sorted(kernels, key=lambda test: (-durations.get(test, 0.0), test))
@@ -521,6 +532,7 @@ def duration_lines(rows: list[dict[str, Any]], durations: dict[str, float], *, c
         took = f"{durations[test]:.2f}s" if test in durations else "?s"
         listed = ", ".join(what + (f" x{n}" if n > 1 else "") for what, n in sorted(kernels[test].items()))
         lines.append(printable(f"{took:>8} {test}: {listed}"))
+        lines.extend(printable(f"{'':>8}   why {why}") for why in whys[test])
     return lines
 
 

@@ -42,6 +42,7 @@ def carry_out(
                 why.append(plan.candidates.reason)
             if tried:
                 why.append(f"tried {'; '.join(tried)}")
+            reason = "; ".join(why)
             _record.note(
                 kernel,
                 called_at=call_site,
@@ -49,13 +50,14 @@ def carry_out(
                 policy=policy.value,
                 action=action,
                 interpreter=interpreter,
-                reason="; ".join(why),
+                reason=reason,
                 layer=layer,
                 warned=warned,
                 tried=tried,
                 steps=plan.steps,
                 policy_source=policy.source,
                 notes=notes,
+                why=_diagnostics.reason_sentence(reason, layer),
             )
 
     if plan.action is Action.REFUSE and plan.over_budget:
@@ -81,10 +83,11 @@ def carry_out(
         record("refused")
         raise _diagnostics.refusal(kernel=kernel, call_site=call_site, target=target, policy=shown)
     if plan.action is Action.INTERPRET:
+        # Recorded first: a warning the filters turn into an error must still be counted.
+        record("interpreted", plan.warn)
         if plan.warn:
             _diagnostics.warn(
                 kernel=kernel, call_site=call_site, target=target, policy=policy, interpreter=interpreter or "plain"
             )
-        record("interpreted", plan.warn)
         return
     record("untouched")

@@ -89,6 +89,81 @@ def _settings_report(problems: list[str]) -> dict[str, Any]:
     return settings
 
 
+# What pytest reads its configuration from, in its order of precedence within one directory.
+_PYTEST_FILES = ("pytest.toml", ".pytest.toml", "pytest.ini", ".pytest.ini", "pyproject.toml", "tox.ini", "setup.cfg")
+
+
+def _pytest_section(path: str) -> dict[str, Any] | None:
+    """The pytest settings in ``path``, or None when it has no pytest section (pytest skips it)."""
+    name = os.path.basename(path)
+    if name.endswith(".toml"):
+        import tomllib
+
+        with open(path, "rb") as file:
+            data = tomllib.load(file)
+        if name == "pyproject.toml":
+            table = data.get("tool", {}).get("pytest", {})
+            table = table.get("ini_options", table) if isinstance(table, dict) else None
+            return table if isinstance(table, dict) and "tool" in data and "pytest" in data["tool"] else None
+        return dict(data.get("pytest", {}))
+    import configparser
+
+    parser = configparser.ConfigParser(interpolation=None)
+    parser.read(path, encoding="utf-8")
+    section = {"setup.cfg": "tool:pytest"}.get(name, "pytest")
+    if parser.has_section(section):
+        return dict(parser.items(section))
+    return {} if name in ("pytest.ini", ".pytest.ini") else None  # pytest.ini counts even when empty
+
+
+def pytest_configuration(start: str) -> tuple[str, dict[str, str]] | None:
+    """The configuration file pytest would read, started in ``start`` (the first with a pytest
+    section, in ``start`` or the nearest directory above it), and its ``pallas_guard_*`` values."""
+    directory = os.path.abspath(start)
+    while True:
+        for name in _PYTEST_FILES:
+            path = os.path.join(directory, name)
+            if not os.path.isfile(path):
+                continue
+            try:
+                section = _pytest_section(path)
+            except (OSError, ValueError) as error:  # unreadable: pytest would stop on it too
+                return path, {"error": f"{type(error).__name__}: {error}"}
+            if section is not None:
+                values = {}
+                for option_name, option in OPTIONS.items():
+                    value = section.get(option.ini)
+                    if value is not None and value != "":
+                        values[option_name] = ",".join(map(str, value)) if isinstance(value, list) else str(value)
+                return path, values
+        parent = os.path.dirname(directory)
+        if parent == directory:
+            return None
+        directory = parent
+
+
+def _pytest_report(problems: list[str]) -> dict[str, Any]:
+    """What pytest, run here, would take from its configuration file: each value with its source,
+    in the words of pytest's own report header."""
+    found = pytest_configuration(os.getcwd())
+    if found is None:
+        return {"file": None, "settings": {}}
+    path, values = found
+    if "error" in values:
+        problems.append(f"pytest's configuration {path} cannot be read: {values['error']}")
+        return {"file": path, "settings": {}}
+    settings = {}
+    for name, value in values.items():
+        source = f"{OPTIONS[name].ini} in {os.path.basename(path)}"
+        try:
+            parsed = OPTIONS[name].parse(value, source)
+        except (ValueError, TypeError) as error:
+            problems.append(str(error))  # pytest stops with a usage error on it: no value to show
+            continue
+        settings[name] = {"value": OPTIONS[name].word(parsed), "source": source}
+    return {"file": path, "settings": settings}
+
+
 def _jax_facts(problems: list[str]) -> dict[str, Any]:
     from . import _internals
 
@@ -164,7 +239,14 @@ def _verdict(report: dict[str, Any]) -> str:
         where = "in processes that import pallas_guard (the autoload is not installed)"
     else:
         where = f"in processes that import pallas_guard; elsewhere JAX's own error ({POLICY_ENV} is unset)"
-    return f"Pallas kernels here will {outcome} {where}."
+    verdict = f"Pallas kernels here will {outcome} {where}."
+    in_pytest = report["pytest"]["settings"]
+    if "policy" in in_pytest or "interpreter" in in_pytest:
+        policy = in_pytest.get("policy", {}).get("value", policy)
+        interpreter = in_pytest.get("interpreter", {}).get("value", settings["interpreter"]["value"])
+        source = os.path.basename(report["pytest"]["file"])
+        verdict += f" In pytest runs started here ({source}): {_settings.outcome(policy, interpreter, platform).text}."
+    return verdict
 
 
 def collect() -> dict[str, Any]:
@@ -175,6 +257,7 @@ def collect() -> dict[str, Any]:
         "pallas_guard": {"version": _distribution_version("pallas_guard"), "location": package_dir},
         "python": {"version": sys.version.split()[0], "executable": sys.executable},
         "settings": _settings_report(problems),
+        "pytest": _pytest_report(problems),
     }
     start_files = installed_startup_files()
     report["autoload"] = {"installed": bool(start_files), "files": start_files}
@@ -246,7 +329,24 @@ def render(report: dict[str, Any]) -> str:
     settings = report["settings"]
     environment = ", ".join(f"{name}={value!r}" for name, value in settings["environment"].items() if value is not None)
     rows.append(("environment", environment or "no PALLAS_GUARD_* variable set"))
-    rows.extend((name.replace("_", " "), _setting_line(settings, name)) for name in OPTIONS)
+    in_pytest = report["pytest"]["settings"]
+    for name in OPTIONS:
+        line = _setting_line(settings, name)
+        if name in in_pytest:  # pytest's ini wins over the environment, in pytest only
+            given = in_pytest[name]
+            line += f"; in pytest here: {given['value']} (from {given['source']})"
+        rows.append((name.replace("_", " "), line))
+    config = report["pytest"]["file"]
+    if config is None:
+        found = "none found here or above (pytest would use the environment alone)"
+    elif in_pytest:
+        found = (
+            f"{config}: its pallas_guard_* settings win over the environment in pytest runs started here; "
+            "a --pallas-guard-* option wins over both"
+        )
+    else:
+        found = f"{config}: no pallas_guard_* setting"
+    rows.append(("pytest config", found))
     autoload = report["autoload"]
     rows.append(
         (

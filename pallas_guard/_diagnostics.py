@@ -11,7 +11,7 @@ import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Literal, NamedTuple
 
-from pallas_guard_autoload import CHECKS_ENV, INTERPRETER_ENV
+from pallas_guard_autoload import CHECKS_ENV, INTERPRETER_ENV, printable
 
 from . import _interpreters
 from ._enums import Policy
@@ -151,9 +151,23 @@ def user_call_site() -> CallSite:
 
 
 def _describe(kernel: KernelInfo, call_site: CallSite) -> str:
-    defined = f" (defined at {kernel.defined_at})" if kernel.defined_at else ""
-    called = f", called at {call_site}," if call_site.user else ""
-    return f"Pallas kernel {kernel.name!r} (built with {kernel.entry_point}){defined}{called}".rstrip(",")
+    # Names and paths are the user's, not ours: escaped, so none can colour a log or forge a line.
+    defined = f" (defined at {printable(kernel.defined_at)})" if kernel.defined_at else ""
+    called = f", called at {printable(str(call_site))}," if call_site.user else ""
+    name = printable(repr(kernel.name))
+    return f"Pallas kernel {name} (built with {kernel.entry_point}){defined}{called}".rstrip(",")
+
+
+_DECIDED = {
+    "front door": "decided when the kernel was called, before JAX traced it",
+    "lowering": "decided when JAX lowered the kernel for the CPU",
+}
+
+
+def reason_sentence(reason: str, layer: str) -> str:
+    """Why the guard did what it did with one kernel: the one sentence ``repr(Decision)``, pytest's
+    details and summary print; the layer said in words, not in the guard's own vocabulary."""
+    return printable(f"{reason}; {_DECIDED.get(layer, layer)}")
 
 
 def message(
@@ -208,7 +222,7 @@ def message(
     lines.append(f"Policy {policy.value.value!r} came from {policy.source}.")
     # interpret= can only be passed where pallas_call is called: not inside a library.
     yourself = (
-        f"the call is made by the library at {call_site.via}, so set the policy rather than interpret="
+        f"the call is made by the library at {printable(call_site.via)}, so set the policy rather than interpret="
         if call_site.via
         else "or pass interpret=True to the kernel yourself"
     )
@@ -484,6 +498,7 @@ _registries: dict[str, dict[Any, Any]] = {}
 
 def warn(*, kernel: KernelInfo, call_site: CallSite, target: Target, policy: Setting[Policy], interpreter: str) -> bool:
     """Emit a ``PallasGuardWarning`` attributed to the user's line; repetition is the filters' business."""
+    __tracebackhide__ = True
     text = message(
         refused=False,
         kernel=kernel,
@@ -497,11 +512,61 @@ def warn(*, kernel: KernelInfo, call_site: CallSite, target: Target, policy: Set
 
 
 def _warn_at(call_site: CallSite, text: str) -> None:
+    __tracebackhide__ = True  # a warning turned error is the user's line's, not this frame's
     filename, _, line = (call_site.user or "").rpartition(":")
     if filename and line.isdigit():
         # warn_explicit puts the warning on the user's line even from inside a lowering rule,
-        # where no stacklevel could reach it.
+        # where no stacklevel could reach it; the formatter prints the name as given: escaped.
         registry = _registries.setdefault(filename, {})
-        warnings.warn_explicit(text, PallasGuardWarning, filename, int(line), registry=registry)
+        warnings.warn_explicit(text, PallasGuardWarning, printable(filename), int(line), registry=registry)
     else:
         warnings.warn(text, PallasGuardWarning, stacklevel=3)
+
+
+# --- what a report shows ------------------------------------------------------------------------
+
+_JAX_FILTERED_NOTE = "For simplicity, JAX has removed its internal frames"
+
+
+def as_reported(error: BaseException) -> BaseException:
+    """What a test report shows for ``error``: the guard's own error or warning, once.
+
+    JAX repeats an error raised while lowering (a ``JaxStackTraceBeforeTransformation`` cause, a
+    note about its filtered frames), and a bounds finding raised in a host callback reaches the
+    caller inside JAX's runtime error, with the callback's whole stack in its text: the guard's
+    message says it all, at the user's line. Any other error is returned as it is.
+    """
+    guard = error if isinstance(error, (PallasGuardError, PallasGuardWarning)) else finding_in(error)
+    if guard is None:
+        return error
+    head = str(guard).strip().partition("\n")[0]
+    cause = guard.__cause__
+    if cause is not None and (type(cause).__name__ == "JaxStackTraceBeforeTransformation" or head in str(cause)):
+        guard.__cause__ = None
+        guard.__suppress_context__ = True
+    notes = getattr(guard, "__notes__", None)
+    if notes:
+        notes[:] = [note for note in notes if _JAX_FILTERED_NOTE not in note]
+    return guard.with_traceback(_without_guard_frames(error.__traceback__))
+
+
+def _without_guard_frames(traceback: types.TracebackType | None) -> types.TracebackType | None:
+    """``traceback`` without the guard's own frames (and wrapt's, its machinery): they say nothing
+    about the user's kernel, and not every one of them can hide itself (``__tracebackhide__``)."""
+    kept = []
+    while traceback is not None:
+        filename = traceback.tb_frame.f_code.co_filename
+        if not filename.startswith(_guard_prefixes()):
+            kept.append(traceback)
+        traceback = traceback.tb_next
+    rebuilt = None
+    for entry in reversed(kept):
+        rebuilt = types.TracebackType(rebuilt, entry.tb_frame, entry.tb_lasti, entry.tb_lineno)
+    return rebuilt
+
+
+@functools.lru_cache(maxsize=1)
+def _guard_prefixes() -> tuple[str, ...]:
+    wrapt_file = getattr(sys.modules.get("wrapt"), "__file__", None)
+    wrapt_dir = [os.path.dirname(os.path.abspath(wrapt_file)) + os.sep] if wrapt_file else []
+    return (os.path.dirname(os.path.abspath(__file__)) + os.sep, *wrapt_dir)

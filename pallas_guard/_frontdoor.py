@@ -146,6 +146,12 @@ def at_call(
             raise
     call_site = _diagnostics.user_call_site()
     if plan.action is _plan.Action.REFUSE:
+        if not plan.over_budget and plan.fallback is None:
+            # A body that cannot even be traced fails with its own error, as it does under jit (where
+            # the refusal waits for lowering): the CPU is not what is wrong with it.
+            import jax
+
+            jax.eval_shape(functools.partial(run_as_built, **kwargs), *args)
         _act.carry_out(
             plan,
             layer="front door",

@@ -5,6 +5,8 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
+from pallas_guard_autoload import printable
+
 from ._enums import Policy
 
 TYPE_CHECKING = False
@@ -31,8 +33,10 @@ class Decision:
     interpreter: str | None
     """``"plain"``, ``"tpu"`` or ``"gpu"`` when interpreted, else None."""
     reason: str
+    """Why, in the plan's words: the policy and target, the interpreter's choice, what was tried."""
     layer: str
-    """``"front door"`` (trace time) or ``"lowering"`` (the CPU lowering rule)."""
+    """``"front door"`` (decided when the kernel was called, before JAX traced it) or ``"lowering"``
+    (decided when JAX lowered it for the CPU)."""
     warned: bool = False
     entry_point: str = "pallas_call"
     via: str | None = None
@@ -46,15 +50,18 @@ class Decision:
     notes: tuple[str, ...] = ()
     """What the checks asked for mean for this kernel: that they cannot apply to it, and why; or
     that they chose an interpreter much slower than the one it runs in unchecked."""
+    why: str = ""
+    """The one reason sentence every surface prints: ``reason``, and where it was decided, in words."""
 
     def __repr__(self) -> str:
         how = f" with the {self.interpreter} interpreter" if self.interpreter else ""
         platforms = ",".join(self.platforms) or "?"
-        return (
+        # Paths and names are the user's: escaped, so a repr in a log is one line, uncoloured.
+        return printable(
             f"<Decision {self.action}{how}: kernel {self.kernel!r} ({self.entry_point}, defined at "
             f"{self.defined_at or '?'}) called at {self.called_at or '?'}"
             f"{f' via {self.via}' if self.via else ''} for {platforms} under policy "
-            f"{self.policy.value} [{self.layer}]: {self.reason}>"
+            f"{self.policy.value}: {self.why or self.reason}>"
         )
 
 
@@ -82,6 +89,7 @@ def note(
     steps: int | None = None,
     policy_source: str = "",
     notes: tuple[str, ...] = (),
+    why: str = "",
 ) -> None:
     """Record what a layer did with ``kernel`` (the facts the diagnostics already gathered)."""
     add(
@@ -102,6 +110,7 @@ def note(
             steps=steps,
             policy_source=policy_source,
             notes=notes,
+            why=why,
         )
     )
 

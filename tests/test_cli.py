@@ -253,3 +253,49 @@ def test_run_has_an_option_for_every_setting(tmp_path: Path) -> None:
     refused = cli("run", "--max-steps", "1e3", "--", "true")
     assert refused.returncode == _cli.EXIT_USAGE
     assert "--max-steps='1e3' is not a valid pallas_guard step budget" in refused.stderr
+
+
+def test_doctor_and_pytest_agree_on_the_policy_of_this_folder(tmp_path: Path) -> None:
+    """doctor reads the configuration pytest reads here and says that it wins in pytest."""
+    (tmp_path / "pyproject.toml").write_text('[tool.pytest.ini_options]\npallas_guard_policy = "interpret"\n')
+    (tmp_path / "sub").mkdir()  # pytest finds the file in a parent folder; so does doctor
+    doctor = cli("doctor", cwd=tmp_path / "sub")
+    assert doctor.returncode == 0, doctor.stdout + doctor.stderr
+    said = "interpret (from pallas_guard_policy in pyproject.toml)"
+    assert re.search(rf"^  policy +warn \(from default\); in pytest here: {re.escape(said)}$", doctor.stdout, re.M)
+    assert f"pytest config    {tmp_path / 'pyproject.toml'}: its pallas_guard_* settings win" in doctor.stdout
+    assert "In pytest runs started here (pyproject.toml): run interpreted, silently" in doctor.stdout
+    header = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-p", "no:cacheprovider"],
+        env=clean_env({"JAX_PLATFORMS": "cpu"}),
+        cwd=tmp_path / "sub",
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert f"pallas_guard: policy {said}" in header.stdout, header.stdout
+
+
+@pytest.mark.parametrize(
+    ("name", "text"),
+    [
+        ("pytest.ini", "[pytest]\npallas_guard_policy = strict\n"),
+        ("tox.ini", "[pytest]\npallas_guard_policy = strict\n"),
+        ("setup.cfg", "[tool:pytest]\npallas_guard_policy = strict\n"),
+        ("pyproject.toml", '[tool.pytest.ini_options]\npallas_guard_checks = ["races", "bounds"]\n'),
+    ],
+)
+def test_doctor_reads_each_file_pytest_reads(tmp_path: Path, name: str, text: str) -> None:
+    (tmp_path / name).write_text(text)
+    (tmp_path / "setup.cfg").touch()  # no pytest section: pytest, and doctor, look past it
+    path, values = _cli.pytest_configuration(str(tmp_path)) or ("", {})
+    assert path == str(tmp_path / name)
+    assert values == ({"checks": "races,bounds"} if name == "pyproject.toml" else {"policy": "strict"})
+
+
+def test_doctor_names_a_bad_value_in_pytests_configuration(tmp_path: Path) -> None:
+    (tmp_path / "pytest.ini").write_text("[pytest]\npallas_guard_policy = loud\n")
+    doctor = cli("doctor", cwd=tmp_path)
+    assert doctor.returncode == 1
+    assert "pallas_guard_policy in pytest.ini='loud' is not a valid pallas_guard policy" in doctor.stdout

@@ -5,13 +5,14 @@ accelerator it is gets a pointer to the device setting, and machine failures pro
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import clean_env
+from conftest import clean_env, run_python
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
@@ -122,3 +123,74 @@ def test_in_pytest_host_code_asking_which_tpu_gets_a_pointer_to_the_device_setti
         "-p", "pallas_guard", "--pallas-guard-policy=interpret", "--pallas-guard-device=tpu-v5e", "-q"
     )
     result.assert_outcomes(passed=1)
+
+
+def test_a_path_that_holds_control_characters_is_printed_escaped(tmp_path: Path) -> None:
+    """A kernel defined in a file whose name holds an escape sequence and a newline: the warning, the
+    strict error and the record print it escaped, on their own lines (no colour, no forged line)."""
+    (tmp_path / "k\x1b[31mRED\nFAKE: ok.py").write_text(
+        "import jax.numpy as jnp\n"
+        "from jax.experimental import pallas as pl\n\n\n"
+        "def kernel(x_ref, o_ref):\n"
+        "    o_ref[...] = x_ref[...] + 1.0\n\n\n"
+        "def run():\n"
+        "    x = jnp.ones(8)\n"
+        "    return pl.pallas_call(kernel, out_shape=x)(x)\n"
+    )
+    result = run_python(
+        f"""
+        import glob, importlib.util, warnings
+        import pallas_guard
+
+        (path,) = glob.glob({str(tmp_path)!r} + "/k*")
+        spec = importlib.util.spec_from_file_location("odd", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        pallas_guard.install("warn")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            module.run()
+        print("WARNING", ascii(str(caught[0].message)), ascii(caught[0].filename))
+        print("RECORD", ascii(repr(pallas_guard.decisions()[-1])))
+        pallas_guard.set_policy("strict")
+        try:
+            module.run()
+        except pallas_guard.PallasGuardError as error:
+            print("ERROR", ascii(str(error)))
+        """,
+        env={"JAX_PLATFORMS": "cpu"},
+    )
+    assert result.returncode == 0, result.stderr
+    shown = {line.split(" ", 1)[0]: line.split(" ", 1)[1] for line in result.stdout.splitlines()}
+    assert set(shown) == {"WARNING", "RECORD", "ERROR"}, result.stdout
+    for what, text in shown.items():
+        # ascii() writes a raw ESC as \x1b and a raw newline as \n; an escaped one is \\x1b, \\n.
+        assert "\\x1b" not in text.replace("\\\\x1b", ""), (what, text)
+        assert "RED\\nFAKE" not in text.replace("RED\\\\nFAKE", ""), (what, text)
+        assert "k\\\\x1b[31mRED\\\\nFAKE: ok.py" in text, (what, text)
+
+
+def test_a_kernel_whose_body_cannot_be_traced_fails_with_its_own_error_under_strict() -> None:
+    """Eagerly as under jit: the body's AttributeError, not a refusal about the CPU."""
+    result = run_python(
+        """
+        import jax, jax.numpy as jnp
+        from jax.experimental import pallas as pl
+        import pallas_guard
+
+        pallas_guard.install("strict")
+
+        def kernel(x_ref, o_ref):
+            o_ref[...] = pl.no_such_attribute(x_ref)
+
+        x = jnp.ones(8)
+        call = lambda x: pl.pallas_call(kernel, out_shape=x)(x)
+        for run in (call, jax.jit(call)):
+            try:
+                run(x)
+            except Exception as error:
+                print(type(error).__name__)
+        """,
+        env={"JAX_PLATFORMS": "cpu"},
+    )
+    assert result.stdout.split() == ["AttributeError", "AttributeError"], result.stdout + result.stderr

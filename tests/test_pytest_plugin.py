@@ -96,7 +96,13 @@ def test_option_marker_header_and_summary(tester: pytest.Pytester) -> None:
         "REFUSED test_kernels.py::test_marked_strict",
         "INTERPRETED with the plain interpreter test_kernels.py::test_session_policy",
     ]
-    assert [line.rsplit("policy ", 1)[1] for line in details] == ["interpret]", "strict]", "warn]"]
+    # Each ends with the kernel's reason sentence, the layer said in words.
+    assert [line.split("): ", 1)[1].split(":", 1)[0] for line in details] == [
+        "policy interpret",
+        "policy strict",
+        "policy warn",
+    ]
+    assert [line.rsplit("; ", 1)[1] for line in details] == ["decided when JAX lowered the kernel for the CPU"] * 3
 
 
 def test_without_a_policy_the_guard_stays_off_until_imported(tester: pytest.Pytester) -> None:
@@ -379,6 +385,7 @@ def test_budget_skip_markers_durations_and_header(tester: pytest.Pytester, monke
     took, test, kernels = lines[0].split(maxsplit=2)
     steps = {"test_budget.py::test_small:": 2, "test_budget.py::test_medium:": 3}[test]
     assert kernels == f"grid_kernel (plain, {steps} steps)"
+    assert lines[1].strip().startswith("why grid_kernel: policy interpret: target is the CPU;")
     assert took == pytest_durations[test[:-1]]
     other = next(name for name in ("test_budget.py::test_small", "test_budget.py::test_medium") if name != test[:-1])
     assert float(took[:-1]) >= float(pytest_durations[other][:-1])
@@ -444,7 +451,7 @@ def test_skipped():
     result.assert_outcomes(passed=4, skipped=1)
     result.stdout.fnmatch_lines(["SKIPPED [[]1] test_spread.py:*: slow interpreted"])
     start = result.outlines.index("slowest 4 of 4 test(s) that ran interpreted kernels:") + 1
-    rows = [line.split(maxsplit=2) for line in result.outlines[start : start + 4]]
+    rows = [line.split(maxsplit=2) for line in result.outlines[start : start + 8] if not line.strip().startswith("why")]
     assert sorted((test, kernels) for _, test, kernels in rows) == [
         (f"test_spread.py::test_kernel[{n}]:", f"grid_kernel (plain, {n} step{'s' if n > 1 else ''})")
         for n in (1, 2, 3, 4)
@@ -683,3 +690,152 @@ def test_the_step_budget_error_names_the_setting_that_set_it(
     assert f"more than the step budget of 2 (from {source})" in text
     assert f"raise the budget: {advice}" in text
     assert "policy() scope" not in text
+
+
+# --- a library author's failures: short, at their line, the guard's message once -----------------
+
+LIBRARY = """
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+
+def add_kernel(x_ref, y_ref, o_ref):
+    o_ref[...] = x_ref[...] + y_ref[...]
+
+
+def add(x, y):
+    return pl.pallas_call(add_kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype))(x, y)
+
+
+def scale_kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...] * 2.0
+
+
+def scale_in_blocks(x):
+    spec = pl.BlockSpec((8, x.shape[1]), lambda i: (i, 0))
+    return pl.pallas_call(scale_kernel, out_shape=x, grid=(x.shape[0] // 8,), in_specs=[spec], out_specs=spec)(x)
+
+
+def shifted_kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[pl.ds(pl.program_id(0) * 8 + 4, 8)]  # step 2 reads [20:28) of 24
+
+
+def shifted(x):
+    spec = pl.BlockSpec((8,), lambda i: (i,))
+    return pl.pallas_call(shifted_kernel, out_shape=jax.ShapeDtypeStruct((24,), x.dtype), grid=(3,), out_specs=spec)(x)
+
+
+def ones(rows):
+    return jnp.ones((rows, 128), jnp.float32)
+"""
+
+FAILING = """
+import jax
+import jax.numpy as jnp
+import pytest
+from library import add, ones, scale_in_blocks, shifted
+
+
+@pytest.mark.pallas_guard("strict")
+def test_strict_eager():
+    add(ones(8), ones(8))
+
+
+@pytest.mark.pallas_guard("strict")
+def test_strict_jit():
+    jax.jit(add)(ones(8), ones(8))
+
+
+@pytest.mark.pallas_guard(max_steps=2)
+def test_over_budget():
+    scale_in_blocks(ones(32))
+
+
+@pytest.mark.pallas_guard("warn")
+def test_warned_eager():
+    add(ones(8), ones(8))
+
+
+@pytest.mark.pallas_guard("warn")
+def test_warned_jit():
+    jax.jit(add)(ones(8), ones(8))
+
+
+def test_out_of_bounds_eager():
+    shifted(jnp.arange(24, dtype=jnp.float32))
+
+
+def test_out_of_bounds_jit():
+    jax.jit(shifted)(jnp.arange(24, dtype=jnp.float32))
+"""
+
+
+def _sections(lines: list[str]) -> dict[str, list[str]]:
+    """Each failing test's section of pytest's FAILURES block, by test name."""
+    start = next(i for i, line in enumerate(lines) if line.startswith("=") and " FAILURES " in line) + 1
+    sections: dict[str, list[str]] = {}
+    name = None
+    for line in lines[start:]:
+        if line.startswith("=") and line.endswith("="):
+            break
+        if line.startswith("_") and line.endswith("_") and " test_" in line:
+            name = line.strip("_ ")
+            sections[name] = []
+        elif name is not None:
+            sections[name].append(line)
+    return sections
+
+
+@pytest.mark.parametrize("tb", ["--tb=short", "--tb=auto"])
+def test_each_guard_failure_is_short_at_the_users_line_with_the_message_once(tester: pytest.Pytester, tb: str) -> None:
+    """Refusals, an over-budget kernel, warnings the filters turn into errors and bounds findings,
+    eager and under jit, in a project with ``filterwarnings = ["error"]`` run with ``-n 2``."""
+    tester.makefile(".toml", pyproject='[tool.pytest.ini_options]\nfilterwarnings = ["error"]\n')
+    tester.makepyfile(library=LIBRARY, test_failing=FAILING)
+    result = runpytest(tester, "-n", "2", tb, "--pallas-guard-policy=interpret", "--pallas-guard-checks=bounds")
+    result.assert_outcomes(failed=7)
+    sections = _sections(result.outlines)
+    assert len(sections) == 7, sections
+    for name, section in sections.items():
+        errors = [line[1:].strip() for line in section if line.startswith("E ")]
+        assert errors[0].startswith(
+            ("pallas_guard.PallasGuardError: pallas_guard:", "pallas_guard.PallasGuardWarning:")
+        ), (
+            name,
+            section,
+        )
+        head = errors[0].partition(": ")[2]
+        assert sum(head in line for line in section) == 1, (name, section)  # the message once
+        assert not [line for line in section if 'File "' in line or "pallas_guard/_" in line], (name, section)
+        assert not [line for line in section if "JaxStackTraceBeforeTransformation" in line], (name, section)
+        frames = [line for line in section if line.startswith(("test_failing.py:", "library.py:"))]
+        assert frames and frames[0].startswith("test_failing.py:"), (name, section)
+        if tb == "--tb=short":
+            assert len(section) <= 25, (name, len(section), section)
+    # Every kernel counted, whatever became of its test: the warned ones failed on their warning.
+    result.stdout.fnmatch_lines(["7 Pallas kernel(s): 4 interpreted (plain: 4), 3 refused, 0 left alone; in 7 test(s)"])
+
+
+def test_one_reason_sentence_in_the_record_the_details_and_the_durations(tester: pytest.Pytester) -> None:
+    tester.makepyfile(
+        library=LIBRARY,
+        test_reasons="""
+        import pallas_guard
+        from library import ones, scale_in_blocks
+
+
+        def test_kernel():
+            scale_in_blocks(ones(16))
+            print("REPR", repr(pallas_guard.decisions()[-1]))
+        """,
+    )
+    result = runpytest(tester, "-s", "--pallas-guard-policy=interpret", "--pallas-guard-details")
+    result.assert_outcomes(passed=1)
+    (shown,) = [line for line in result.outlines if "REPR <Decision interpreted" in line]
+    why = shown.rsplit("under policy interpret: ", 1)[1].removesuffix(">")
+    assert why == "policy interpret: target is the CPU; decided when JAX lowered the kernel for the CPU"
+    (details,) = [line for line in result.outlines if line.startswith("INTERPRETED")]
+    assert details.endswith(f"2 grid steps): {why}")
+    assert f"why scale_kernel: {why}" in [line.strip() for line in result.outlines]
+    assert "front door" not in result.stdout.str() and "[lowering" not in result.stdout.str()
