@@ -39,6 +39,8 @@ DETECT_RACES_ENV = "PALLAS_GUARD_DETECT_RACES"
 """``1``: the older spelling of ``PALLAS_GUARD_CHECKS=races``."""
 MAX_STEPS_ENV = "PALLAS_GUARD_MAX_STEPS"
 """The most grid steps an interpreted kernel may run."""
+FAST_PLAIN_ENV = "PALLAS_GUARD_FAST_PLAIN"
+"""``off``: the plain interpreter exactly as JAX ships it (the way back from the guard's fast path)."""
 DEVICE_ENV = "PALLAS_GUARD_DEVICE"
 """The TPU/GPU that host code asking "which accelerator am I on?" is told, where the guard interprets."""
 PALLAS_INTERPRET_ENV = "PALLAS_INTERPRET"
@@ -173,6 +175,8 @@ class Option:
             return "none"
         if isinstance(value, (set, frozenset)):
             return ",".join(check for check in CHECKS if check in value) or "none"
+        if isinstance(value, bool):
+            return "on" if value else "off"
         return str(getattr(value, "value", value))
 
     def variables(self) -> "tuple[str, ...]":
@@ -238,6 +242,14 @@ def _checks(word: str) -> "frozenset[str] | None":
         return frozenset(CHECKS if word == "all" else ())
     parts = {part.strip() for part in word.split(",") if part.strip()}
     return frozenset(parts) if parts and parts <= set(CHECKS) else None
+
+
+def _boolean(word: str) -> "bool | None":
+    return True if word in _TRUE else False if word in _FALSE else None
+
+
+def _word_of_bool(value: object) -> str | None:
+    return ("on" if value else "off") if isinstance(value, bool) else None
 
 
 def _word_of_checks(value: object) -> str | None:
@@ -341,6 +353,23 @@ OPTIONS = {
                 f"the older spelling of {CHECKS_ENV}=races",
                 vocabulary=_BOOLEAN_WORDS,
             ),
+        ),
+        Option(
+            "fast_plain",
+            FAST_PLAIN_ENV,
+            "boolean",
+            _boolean,
+            ", ".join(sorted(_TRUE)) + " / " + ", ".join(sorted(_FALSE)),
+            True,
+            "the plain interpreter without writing back, at each grid step, the blocks of operands the kernel "
+            "never writes (bit-identical, linear in the data); off: JAX's plain interpreter exactly as it ships",
+            word_of=_word_of_bool,
+            also=" or bool",
+            meanings={
+                "on": "blocks the kernel never writes are not copied back at each grid step",
+                "off": "JAX's plain interpreter exactly as it ships",
+            },
+            vocabulary=_BOOLEAN_WORDS,
         ),
         Option(
             "device",

@@ -62,6 +62,7 @@ def policy(
     checks: str | Iterable[str] | None = None,
     max_steps: int | str | None = None,
     device: str | None = None,
+    fast_plain: bool | str | None = None,
 ) -> _settings.AbstractContextManager[None]:
     """Override settings inside a ``with`` block; thread- and task-local.
 
@@ -71,7 +72,14 @@ def policy(
     before the block. Settings apply where a kernel is called and lowered: a function jitted before
     the block keeps its executable (``jax.clear_caches()`` to re-trace).
     """
-    given = {"policy": policy, "interpreter": interpreter, "checks": checks, "max_steps": max_steps, "device": device}
+    given = {
+        "policy": policy,
+        "interpreter": interpreter,
+        "checks": checks,
+        "max_steps": max_steps,
+        "device": device,
+        "fast_plain": fast_plain,
+    }
     return _scope(_settings.given(given, call="policy", source="pallas_guard.policy() scope"))
 
 

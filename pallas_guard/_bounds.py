@@ -29,7 +29,7 @@ from typing import Any
 from . import _diagnostics, _internals
 from ._diagnostics import CallSite, KernelInfo
 from ._errors import PallasGuardError
-from ._install import Patch
+from ._patch import Patch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,13 +44,14 @@ class _Checking:
 _MARK_KEY = "pallas_guard"
 
 
-def mark(checks: frozenset[str]) -> dict[str, str]:
+def mark(checks: frozenset[str], *, fast_plain: bool) -> dict[str, str]:
     """The ``metadata`` of a kernel the guard runs eagerly in the plain interpreter, with the checks
-    in force. JAX keeps one executable per equation (params included) and reuses it for any later
-    eager call of the same equation: marked, the guard's executables are never reused for a call
-    under other checks, under policy ``off`` or after ``uninstall()`` (the plain interpreter ignores
-    metadata)."""
-    return {_MARK_KEY: "+".join(("interpreted", *sorted(checks)))}
+    and the ``fast_plain`` setting in force. JAX keeps one executable per equation (params included)
+    and reuses it for any later eager call of the same equation: marked, the guard's executables are
+    never reused for a call under other settings, under policy ``off`` or after ``uninstall()`` (the
+    plain interpreter ignores metadata)."""
+    how = "interpreted" if fast_plain else "interpreted-as-jax-ships"
+    return {_MARK_KEY: "+".join((how, *sorted(checks)))}
 
 
 def marked_checks(params: dict[str, Any]) -> frozenset[str]:

@@ -25,7 +25,7 @@ import weakref
 from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
-from . import _act, _agree, _bounds, _diagnostics, _internals, _interpreters, _plan, _settings
+from . import _act, _agree, _bounds, _diagnostics, _internals, _interpreters, _plain, _plan, _settings
 from ._enums import Policy
 from ._errors import PallasGuardError
 from ._kernel import Kernel
@@ -113,7 +113,7 @@ class PlainTraces:
         try:
             ref = weakref.ref(params["jaxpr"])
             # Inside the equation's context, where JAX's rule traces it (and where the net will).
-            with _internals.equation_context(eqn):
+            with _internals.equation_context(eqn), _plain.linear(params):
                 config = _internals.trace_context()
                 traced = tools[0](interpreter)(*avals)
         except Exception:  # a real lowering raises JAX's own error for it
@@ -122,7 +122,7 @@ class PlainTraces:
             return False
         if not all(_internals.lowers_for_cpu(e.primitive, registry) for e in _internals.jaxpr_equations(traced)):
             return False
-        context = (config, _internals.lowering_context_key(avals, getattr(eqn, "ctx", None)))
+        context = (config, _plain.enabled(), _internals.lowering_context_key(avals, getattr(eqn, "ctx", None)))
         with self._lock:
             self._kept[id(params["jaxpr"])] = (ref, self._others(params), context, traced)
             while len(self._kept) > self._MAX_KEPT:
@@ -143,7 +143,7 @@ class PlainTraces:
             return None
         config = _internals.trace_context()
         avals = getattr(ctx, "avals_in", ())
-        key = (config, _internals.lowering_context_key(avals, getattr(ctx, "jaxpr_eqn_ctx", None)))
+        key = (config, _plain.enabled(), _internals.lowering_context_key(avals, getattr(ctx, "jaxpr_eqn_ctx", None)))
         try:
             same = config is not None and bool(key == context)
         except Exception:  # a context that cannot be compared is not the same
@@ -194,9 +194,11 @@ class Run:
         self.candidates = plan.candidates
         self.call_site, self.ledger = call_site, ledger
         self.eager = not _internals.tracing()
-        # An eager call is built marked with its checks: JAX keeps one executable per equation, and
-        # the guard's must not be reused under other checks, policy off or after uninstall().
-        self.marks = _bounds.mark(self.candidates.checked) if self.eager else None
+        # An eager call is built marked with its checks and interpretation: JAX keeps one executable
+        # per equation, and the guard's must not be reused under other settings, policy off or after
+        # uninstall().
+        self.fast_plain = _plain.enabled()
+        self.marks = _bounds.mark(self.candidates.checked, fast_plain=self.fast_plain) if self.eager else None
 
     # --- the kernel in each interpreter ------------------------------------------------------------
 
@@ -224,7 +226,7 @@ class Run:
     def _memo(self, key: tuple[Hashable, ...], make: Callable[[], Any]) -> Any:
         """What ``make`` gives, once per kernel object, ``key`` and the settings that shape it."""
         c = self.candidates
-        key = (*key, c.detect_races, c.checked, c.eager_dmas, self.tpu_cores, self.eager)
+        key = (*key, c.detect_races, c.checked, c.eager_dmas, self.tpu_cores, self.eager, self.fast_plain)
         with self.kernel.lock:
             known = self.kernel.variants.get(key)
         if known is None:

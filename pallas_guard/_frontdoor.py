@@ -16,7 +16,19 @@ import operator
 from collections.abc import Callable
 from typing import Any
 
-from . import _act, _bounds, _device, _diagnostics, _engine, _internals, _interpreters, _plan, _settings, _target
+from . import (
+    _act,
+    _bounds,
+    _device,
+    _diagnostics,
+    _engine,
+    _internals,
+    _interpreters,
+    _plain,
+    _plan,
+    _settings,
+    _target,
+)
 from ._entry_points import EntryPoint
 from ._enums import Policy
 from ._kernel import Kernel
@@ -66,8 +78,9 @@ def _guarded_kernel(kernel: Kernel, built: Any, installation: Guarding) -> Any:
 
 def _by_hand(kernel: Kernel, built: Any, installation: Guarding) -> Any:
     """A kernel built with ``interpret=True``: it runs as built, except that an eager call under
-    checks runs marked with them (the net checks the user's plain interpreter too), so that JAX's
-    executable for it is never reused without the checks, nor the unchecked one with them."""
+    checks or the guard's plain interpretation runs marked with them (the net lowers the user's
+    plain interpreter its own way too), so that JAX's executable for it is never reused under other
+    settings, nor JAX's own under these."""
     if not kernel.entry.returns_kernel(kernel.args, kernel.kwargs):
         return built
 
@@ -75,9 +88,10 @@ def _by_hand(kernel: Kernel, built: Any, installation: Guarding) -> Any:
         __tracebackhide__ = True
         del instance
         checks = frozenset(_settings.current("checks").value) & {"bounds"}
-        if not checks or _internals.tracing() or _settings.current_policy().value is Policy.OFF:
+        fast_plain = _plain.enabled()
+        if not (checks or fast_plain) or _internals.tracing() or _settings.current_policy().value is Policy.OFF:
             return wrapped(*args, **kwargs)
-        marks = _bounds.mark(checks)
+        marks = _bounds.mark(checks, fast_plain=fast_plain)
         with kernel.lock:
             marked = kernel.variants.get(("by hand", *marks.items()))
         if marked is None:

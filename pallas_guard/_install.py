@@ -17,6 +17,7 @@ from . import _settings
 from ._entry_points import ENTRY_POINTS, MODULES, EntryPoint
 from ._enums import Interpreter, Policy
 from ._ledger import Ledger
+from ._patch import Patch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,17 +33,6 @@ class Status:
     patched: tuple[str, ...]
     lowering_rules: tuple[str, ...]
     lowering_net_gaps: dict[str, str]
-
-
-class Patch:
-    """One module attribute replaced by a wrapper, and the exact object to put back."""
-
-    def __init__(self, owner: ModuleType, attribute: str, original: Any, wrapper: Any) -> None:
-        self.owner, self.attribute, self.original, self.wrapper = owner, attribute, original, wrapper
-
-    def restore(self) -> None:
-        if vars(self.owner).get(self.attribute) is self.wrapper:  # leave a user's own replacement
-            setattr(self.owner, self.attribute, self.original)
 
 
 class Installation:
@@ -205,6 +195,7 @@ def install(
     checks: str | Iterable[str] | None = None,
     max_steps: int | str | None = None,
     device: str | None = None,
+    fast_plain: bool | str | None = None,
 ) -> None:
     """Install the guard (idempotent). Settings not given keep a value set earlier through the API,
     else come from the ``PALLAS_GUARD_*`` variables.
@@ -212,7 +203,14 @@ def install(
     Raises ``PallasGuardConfigError`` (a ``ValueError``) for a bad variable or argument value and
     ``TypeError`` for an argument of the wrong type, before changing anything.
     """
-    given = {"policy": policy, "interpreter": interpreter, "checks": checks, "max_steps": max_steps, "device": device}
+    given = {
+        "policy": policy,
+        "interpreter": interpreter,
+        "checks": checks,
+        "max_steps": max_steps,
+        "device": device,
+        "fast_plain": fast_plain,
+    }
     installation.install(_settings.given(given, call="install"))
 
 

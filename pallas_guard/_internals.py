@@ -558,6 +558,40 @@ BLOCK_COPY = "_dynamic_slice"
 """The plain interpreter's copy of a block in at each grid step (a module function it calls by name)."""
 
 
+WRITE_BACK = "_dynamic_update_slice"
+"""The plain interpreter's copy of a block back out at each grid step (a module function it calls by
+name, once per block operand in the order of the grid mapping's block mappings)."""
+
+
+def written_blocks(params: Mapping[str, Any]) -> frozenset[int] | None:
+    """The positions, among the block operands of a ``pallas_call`` (the grid mapping's block
+    mappings), of those whose ref the kernel writes: what the kernel jaxpr's write and accumulate
+    effects name (JAX's own interpreter reads them the same way to keep aliased pairs in step);
+    None where this jax's effects cannot be read that way."""
+    state = import_optional("jax._src.state.types")
+    kinds = tuple(k for k in (getattr(state, "WriteEffect", None), getattr(state, "AccumEffect", None)) if k)
+    jaxpr, mapping = params.get("jaxpr"), params.get("grid_mapping")
+    invars = list(getattr(jaxpr, "invars", None) or ())
+    effects = getattr(jaxpr, "effects", None)
+    blocks = len(getattr(mapping, "block_mappings", None) or ())
+    first = getattr(mapping, "num_index_operands", None)
+    if len(kinds) != 2 or effects is None or not isinstance(first, int) or first + blocks > len(invars):
+        return None
+    written = set()
+    for effect in effects:
+        if not isinstance(effect, kinds):
+            continue
+        target = getattr(effect, "input", getattr(effect, "input_index", None))
+        if isinstance(target, int) and not isinstance(target, bool):
+            position = target  # an index into the invars (older jax)
+        else:
+            position = next((i for i, var in enumerate(invars) if var is target), -1)
+        if position < 0:
+            return None  # a write the guard cannot place: every block is written back
+        written.add(position - first)
+    return frozenset(p for p in written if 0 <= p < blocks)
+
+
 def access_site() -> tuple[str, int, str] | None:
     """``(file, line, function)`` of the kernel code that made the access being discharged: the
     innermost frame outside jax's internals and the guard (JAX's own kernels count: they live

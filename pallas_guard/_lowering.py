@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from . import _act, _bounds, _diagnostics, _engine, _internals, _plan, _settings, _target
+from . import _act, _bounds, _diagnostics, _engine, _internals, _plain, _plan, _settings, _target
 from ._enums import Policy
 from ._ledger import Guarding
 
@@ -32,6 +32,8 @@ def make_cpu_rule(entry_point: str, delegate: LoweringRule, installation: Guardi
                 call_site = on_stack._replace(via=on_stack.via or call_site.via or call_site.user)
         kernel = installation.ledger.called() or _diagnostics.kernel_from_params(params, entry_point=entry_point)
         return kernel, call_site
+
+    interpret_plain = _plain.interpreting(delegate)
 
     def pallas_guard_cpu_rule(ctx: Any, *in_nodes: Any, **params: Any) -> Any:
         __tracebackhide__ = True
@@ -91,19 +93,22 @@ def make_cpu_rule(entry_point: str, delegate: LoweringRule, installation: Guardi
         return delegate(ctx, *in_nodes, **params)
 
     def lower_plain(ctx: Any, in_nodes: tuple[Any, ...], params: dict[str, Any], *, who: Callable[[], Any]) -> Any:
-        """The plain interpreter, with the bounds check where it is in force."""
+        """The plain interpreter, linear in the data, with the bounds check where it is in force."""
         plain = {**params, "interpret": True}
         if not bounds_wanted(params) or _bounds.unchecked_reason(entry_point, params) is not None:
-            return delegate(ctx, *in_nodes, **plain)  # the record of an unchecked kernel says why
+            return interpret_plain(ctx, *in_nodes, **plain)  # the record of an unchecked kernel says why
         kernel, call_site = who()
         try:
-            lowered = _bounds.lower(ctx, in_nodes, plain, kernel=kernel, call_site=call_site, hooks=installation.hooks)
+            with _plain.linear(plain):
+                lowered = _bounds.lower(
+                    ctx, in_nodes, plain, kernel=kernel, call_site=call_site, hooks=installation.hooks
+                )
         except Exception as error:
             # The kernel's own failure fails again below, unchecked, as JAX raises it. Anything else
             # is the check's: the kernel runs unchecked, and a warning says so.
-            lowered = delegate(ctx, *in_nodes, **plain)
+            lowered = interpret_plain(ctx, *in_nodes, **plain)
             _diagnostics.unchecked_bounds(kernel, call_site, why=_diagnostics.first_line(error))
-        return lowered if lowered is not None else delegate(ctx, *in_nodes, **plain)
+        return lowered if lowered is not None else interpret_plain(ctx, *in_nodes, **plain)
 
     def bounds_wanted(params: dict[str, Any]) -> bool:
         """In force here, or marked by the front door where the kernel was called."""
@@ -146,6 +151,7 @@ def install_rule(
         )
         return None
     if primitive is _internals.pallas_call_primitive():
+        _plain.hook(installation.hooks)
         # A plain interpreter traced on trial is replayed when the outer trace lowers the same kernel.
         delegate = _engine.PLAIN_TRACES.reusing(delegate)
     rule = make_cpu_rule(entry_point, delegate, installation)
