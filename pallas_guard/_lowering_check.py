@@ -33,6 +33,9 @@ _NOT_THE_KERNELS = (
     "AbstractDevice",
     "jaxlib",  # "... install jaxlib with GPU support" and the like: this jaxlib lacks the lowering
     "libtpu",
+    # A Mosaic-GPU kernel's lowering compiles for the backend of this process (the CPU) on the way:
+    # JAX's own GPU lowering cannot run here, whatever the kernel.
+    "is different from the lowering platform",
 )
 """Words of lowering errors that say the check could not run, not that the kernel was refused."""
 
