@@ -34,7 +34,7 @@ POLICY_ENV = "PALLAS_GUARD_POLICY"
 INTERPRETER_ENV = "PALLAS_GUARD_INTERPRETER"
 """Forces one interpreter instead of the per-kernel choice."""
 CHECKS_ENV = "PALLAS_GUARD_CHECKS"
-"""Checks on interpreted kernels: ``races``, ``bounds``, ``agree``, ``all`` or ``none``."""
+"""Checks on interpreted kernels: ``races``, ``bounds``, ``agree``, ``lowering``, ``all`` or ``none``."""
 DETECT_RACES_ENV = "PALLAS_GUARD_DETECT_RACES"
 """``1``: the older spelling of ``PALLAS_GUARD_CHECKS=races``."""
 MAX_STEPS_ENV = "PALLAS_GUARD_MAX_STEPS"
@@ -234,7 +234,7 @@ def _word_of_int(value: object) -> str | None:
     return str(value) if value.bit_length() <= 64 else "9" * (_MAX_INT_DIGITS + 1)
 
 
-CHECKS = ("races", "bounds", "agree")
+CHECKS = ("races", "bounds", "agree", "lowering")
 
 
 def _checks(word: str) -> "frozenset[str] | None":
@@ -335,11 +335,12 @@ OPTIONS = {
             CHECKS_ENV,
             "set of checks",
             _checks,
-            "'races', 'bounds', 'agree' (comma-separated), 'all' or 'none'",
+            "'races', 'bounds', 'agree', 'lowering' (comma-separated), 'all' or 'none'",
             frozenset(),
             "check interpreted kernels: races (data races; moves a kernel to the interpreter that detects "
             "them), bounds (an out-of-bounds index raises; in every interpreter), agree (the first call runs "
-            "in every interpreter that can run the kernel, and their outputs must agree bit for bit)",
+            "in every interpreter that can run the kernel, and their outputs must agree bit for bit), lowering "
+            "(the first call also lowers the kernel for its real target, TPU or GPU, as JAX does there)",
             word_of=_word_of_checks,
             also=" or a list of str",
             vocabulary=(*CHECKS, "all", "none"),

@@ -40,6 +40,7 @@ GROUPS: dict[str, tuple[str, str]] = {
     "kernels": ("kernels", "4. interpreted kernel speed, guard vs best hand-forced interpreter"),
     "bounds": ("bounds", "4b. bounds check: PALLAS_GUARD_CHECKS=bounds vs the plain interpreter"),
     "first_call": ("first_call", "4c. first call (build, trace, verify, compile, run), guard vs best forced"),
+    "lowering": ("lowering", "4d. lowering check: first call and steady, with the check vs without"),
     "steady": ("steady", "5. steady: jitted fn with a guarded kernel vs interpret=True"),
 }
 

@@ -135,6 +135,24 @@ def scoped() -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def presented(name: str) -> Iterator[None]:
+    """Device ``name`` presented while JAX lowers for its platform (the lowering check), where no
+    mesh of the user's own is in force; the user's own mesh wins, as everywhere."""
+    holder = _internals.abstract_mesh_config()
+    if holder is None:
+        yield
+        return
+    import jax
+
+    current = holder.value
+    if _free(current) or (_process.ours is not None and current is _process.ours):
+        with jax.sharding.use_abstract_mesh(_abstract_mesh(name)):
+            yield
+    else:
+        yield
+
+
 def _empty_mesh() -> Any:
     import jax
 

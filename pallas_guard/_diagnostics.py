@@ -433,6 +433,16 @@ def disagreement(
     )
 
 
+def lowering_refused(*, kernel: KernelInfo, call_site: CallSite, target: str, error: BaseException) -> PallasGuardError:
+    """JAX's own lowering for the kernel's real target refused it (``target``: the platform, the
+    device and where it came from); the interpreted result is not returned."""
+    return PallasGuardError(
+        f"pallas_guard: {_describe(kernel, call_site)} runs interpreted on the CPU, but its target refuses "
+        f"it, found by the lowering check ({CHECKS_ENV}=lowering): JAX's lowering for {target} raised "
+        f"{first_line(error)}"
+    )
+
+
 def unchecked_bounds(kernel: KernelInfo, call_site: CallSite, *, why: str) -> None:
     """The bounds check could not be applied to a kernel that runs without it: say so."""
     _warn_at(

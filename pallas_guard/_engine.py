@@ -25,7 +25,7 @@ import weakref
 from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
-from . import _act, _agree, _bounds, _diagnostics, _internals, _interpreters, _plain, _plan, _settings
+from . import _act, _agree, _bounds, _diagnostics, _internals, _interpreters, _lowering_check, _plain, _plan, _settings
 from ._enums import Policy
 from ._errors import PallasGuardError
 from ._kernel import Kernel
@@ -199,6 +199,8 @@ class Run:
         # uninstall().
         self.fast_plain = _plain.enabled()
         self.marks = _bounds.mark(self.candidates.checked, fast_plain=self.fast_plain) if self.eager else None
+        self.lowering_note: str | None = None
+        """What the lowering check found for this call's kernel and shapes (a decision's note)."""
 
     # --- the kernel in each interpreter ------------------------------------------------------------
 
@@ -259,6 +261,8 @@ class Run:
 
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         __tracebackhide__ = True
+        if "lowering" in self.candidates.checked:
+            self._check_lowering(args, kwargs)  # first: a refused kernel's result is never returned
         agree = "agree" in self.candidates.checked
         if not self.candidates.verify and not agree:
             return self._run(self.candidates.names[0], args, kwargs, tried=())
@@ -314,6 +318,35 @@ class Run:
         raise _diagnostics.disagreement(
             found, kernel=self.kernel.info, call_site=self.call_site, compared=ran, synthetic=synthetic
         )
+
+    # --- the lowering check ------------------------------------------------------------------------
+
+    def _check_lowering(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Lower the kernel as the user built it for its real target, once per kernel identity and
+        shapes (settled under a key of its own); a refusal raises the finding, every time."""
+        __tracebackhide__ = True
+        key = (*self._settled_key(args, kwargs), "lowering")
+        known = self._settled(key)
+        if known is not None:
+            self.lowering_note = known[1][0]
+            return
+        target = _lowering_check.target_for(self.kernel.facts.family, _settings.current("device").value)
+        if isinstance(target, str):
+            outcome = _lowering_check.Outcome(f"lowering: not checked: {target}")
+        elif self.kernel.entry.runs_when_applied:  # core_map runs its body when built: nothing to lower
+            outcome = _lowering_check.Outcome(f"lowering: not checked: {self.kernel.entry.label} runs when built")
+        else:
+            outcome = _lowering_check.check(self.kernel.build, args, kwargs, target)
+        if outcome.refused is not None:
+            assert outcome.target is not None
+            raise _diagnostics.lowering_refused(
+                kernel=self.kernel.info,
+                call_site=self.call_site,
+                target=outcome.target.describe(),
+                error=outcome.refused,
+            ) from outcome.refused
+        self._settle(key, ("lowering", (outcome.note,)))
+        self.lowering_note = outcome.note
 
     def _settled_key(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Hashable, ...]:
         c = self.candidates
@@ -420,7 +453,7 @@ class Run:
     def _commit(self, name: str, tried: tuple[str, ...]) -> None:
         """Record (and warn) for interpreter ``name``; a plain run under a trace is the net's to
         record, at lowering, where the target is certain: the ledger tells it what was tried."""
-        notes = (self.candidates.checks_note,) if self.candidates.checks_note else ()
+        notes = tuple(note for note in (self.candidates.checks_note, self.lowering_note) if note)
         if name != "plain" and _internals.export_platforms() is not None:
             raise _diagnostics.unexportable(
                 kernel=self.kernel.info,

@@ -211,7 +211,7 @@ def candidates(kernel: Kernel) -> _interpreters.Candidates:
     )
     names = tuple(name for name in chosen.names if _interpreters.available(name)) or ("plain",)
     lacking = names != chosen.names
-    checked = chosen.checked | (frozenset(checks.value) & {"agree"})
+    checked = chosen.checked | (frozenset(checks.value) & {"agree", "lowering"})
     return chosen._replace(names=names, verify=chosen.verify and len(names) > 1, lacking=lacking, checked=checked)
 
 

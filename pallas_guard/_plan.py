@@ -124,13 +124,13 @@ def plan(situation: Situation) -> Plan:  # noqa: PLR0911, PLR0912 - one return p
 def _needs_front_door(candidates: Candidates) -> bool:
     """Whether the front door must act under any trace: another interpreter than plain, a choice
     to verify, a warning about the checks, a missing interpreter to explain, or interpreters to
-    compare (``agree``)."""
+    compare (``agree``), or a lowering for the kernel's target to check (``lowering``)."""
     return (
         candidates.names != ("plain",)
         or candidates.verify
         or candidates.checks_note is not None
         or candidates.lacking
-        or "agree" in candidates.checked
+        or bool(candidates.checked & {"agree", "lowering"})
     )
 
 

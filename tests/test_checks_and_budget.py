@@ -176,7 +176,9 @@ def test_a_kernel_no_interpreter_can_check_for_races_runs_unchecked_and_the_reco
     (decision,) = [d for d in pallas_guard.decisions() if d.action == "interpreted"]
     assert decision.interpreter == "plain"
     assert decision.called_at == f"{__file__}:{line_of('CALL-SITE-TRITON')}"
-    (note,) = decision.notes
+    note, lowered = decision.notes
+    # "all" lowers it for its target too: a Triton kernel for cuda, on the family's default device.
+    assert lowered == "lowering: lowers for cuda (NVIDIA H100 80GB HBM3, the default for triton kernels)"
     # Bounds are checked in the plain interpreter; races only TPU interpret mode could find.
     assert "runs unchecked: races could not be checked: Triton kernels run in the plain interpreter" in note
 
@@ -185,7 +187,9 @@ def test_a_kernel_no_interpreter_can_check_for_races_runs_unchecked_and_the_reco
 def test_a_bad_checks_value_names_the_input(bad: str) -> None:
     if not bad:
         pytest.skip("an empty variable means unset; an empty API string is rejected below")
-    with pytest.raises(pallas_guard.PallasGuardConfigError, match="'races', 'bounds', 'agree' \\(comma-separated\\)"):
+    with pytest.raises(
+        pallas_guard.PallasGuardConfigError, match=r"'races', 'bounds', 'agree', 'lowering' \(comma-separated\)"
+    ):
         pallas_guard.install(checks=bad)
 
 

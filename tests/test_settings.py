@@ -60,7 +60,7 @@ def test_options_declare_each_setting_once() -> None:
         ("policy", " Strict\n", "strict"),
         ("interpreter", "\tTPU", "tpu"),
         ("checks", " Races, BOUNDS", frozenset({"races", "bounds"})),
-        ("checks", "all", frozenset({"races", "bounds", "agree"})),
+        ("checks", "all", frozenset({"races", "bounds", "agree", "lowering"})),
         ("checks", "None", frozenset()),
         ("max_steps", " 512 ", 512),
     ],
