@@ -6,7 +6,10 @@ copies the whole operand for each such write, so a kernel costs time quadratic i
 the lowering net lowers (or the engine traces) the plain interpreter inside :func:`linear`, the
 write-back of a block of an operand the kernel never writes (no write or accumulate effect on its
 ref) gives back the carried operand unchanged. That write would have put back the very block just
-read from the same carried array at the same start, so the result is the same bit for bit; aliased
+read from the same carried array at the same start, so the values are the same; and each skipped
+operand is presented to XLA as JAX's loop presents it (loop-invariant where its block never moves,
+loop-variant behind an optimization barrier where it does), so that XLA compiles the kernel's own
+arithmetic as it does in JAX's loop and the result is the same bit for bit; aliased
 pairs are synchronised after the write-backs, as before. The write-back wrapper acts only inside
 :func:`linear`; elsewhere, and with the ``fast_plain`` setting off, JAX's interpreter runs as it
 ships.
@@ -32,6 +35,8 @@ class _Skipping:
 
     blocks: int
     written: frozenset[int]
+    still: frozenset[int]
+    """The block operands whose block index is the same at every grid step."""
     calls: Iterator[int] = dataclasses.field(default_factory=itertools.count)
 
 
@@ -64,9 +69,19 @@ def _skipping_write_back(write_back: Callable[..., Any]) -> Callable[..., Any]:
     def pallas_guard_write_back(start: Any, block_shape: Any, value: Any, update: Any, *rest: Any) -> Any:
         skipping = _skipping.get()
         # One call per block operand, in order, each time the loop body is traced.
-        if skipping is not None and next(skipping.calls) % skipping.blocks not in skipping.written:
+        operand = next(skipping.calls) % skipping.blocks if skipping is not None else None
+        if skipping is None or operand in skipping.written:
+            return write_back(start, block_shape, value, update, *rest)
+        # The operand is presented to XLA as JAX's loop presents it, so that XLA compiles the body
+        # the same way (its arithmetic, fused otherwise, rounds otherwise): the write-back of a
+        # block at the same index every step is folded away by XLA in JAX's loop too (the operand
+        # is loop-invariant there); a moving block's write-back keeps the operand loop-variant,
+        # which an optimization barrier does here without the copy.
+        if operand in skipping.still:
             return value
-        return write_back(start, block_shape, value, update, *rest)
+        from jax import lax
+
+        return lax.optimization_barrier(value)  # type: ignore[no-untyped-call]
 
     pallas_guard_write_back.pallas_guard_plain = True  # type: ignore[attr-defined]
     return pallas_guard_write_back
@@ -82,7 +97,7 @@ def linear(params: Mapping[str, Any]) -> Iterator[None]:
         written = _internals.written_blocks(params)
         blocks = len(getattr(params.get("grid_mapping"), "block_mappings", None) or ())
         if written is not None and blocks and len(written) < blocks:
-            state = _Skipping(blocks, written)
+            state = _Skipping(blocks, written, _still_blocks(params))
     token = _skipping.set(state)
     try:
         yield
@@ -100,3 +115,25 @@ def interpreting(rule: Callable[..., Any]) -> Callable[..., Any]:
             return rule(ctx, *in_nodes, **params)
 
     return interpret_plain
+
+
+def _still_blocks(params: Mapping[str, Any]) -> frozenset[int]:
+    """The block operands whose index map returns the same block at every grid step: no output
+    of its jaxpr depends on its inputs (the grid indices, scalar prefetch)."""
+    still = set()
+    for position, mapping in enumerate(getattr(params.get("grid_mapping"), "block_mappings", None) or ()):
+        closed = getattr(mapping, "index_map_jaxpr", None)
+        jaxpr: Any = getattr(closed, "jaxpr", closed)
+        if not hasattr(jaxpr, "eqns"):
+            continue  # unknown: treated as moving (the barrier), JAX's loop-variant operand
+        moving = set(jaxpr.invars)
+        for eqn in jaxpr.eqns:
+            if any(var in moving for var in eqn.invars if not _is_literal(var)):
+                moving.update(eqn.outvars)
+        if not any(var in moving for var in jaxpr.outvars if not _is_literal(var)):
+            still.add(position)
+    return frozenset(still)
+
+
+def _is_literal(var: Any) -> bool:
+    return hasattr(var, "val")  # a jaxpr Literal: a constant, never an input
