@@ -355,3 +355,51 @@ def test_the_agree_check_is_silent_where_interpreters_agree(guard: Any) -> None:
     assert "agree: plain, tpu agree bit for bit" in pallas_guard.decisions()[-1].tried
     with pallas_guard.policy(checks="none"):
         assert np.asarray(kernel(X)).tobytes() == checked.tobytes()
+
+
+# --- once uninstalled, nothing left behind --------------------------------------------------------
+
+LEAVES_NOTHING = """
+import logging
+import jax, jax.numpy as jnp, numpy as np
+from jax._src.pallas import hlo_interpreter
+from jax._src.state import discharge
+from jax.experimental import pallas as pl
+from jax.interpreters import mlir
+from jax.experimental.pallas import mosaic_gpu, tpu  # their discharge rules, registered before
+import pallas_guard
+
+def read_at(s_ref, x_ref, o_ref):
+    o_ref[...] = x_ref[pl.ds(s_ref[0], 8), :] * 2.0
+
+x = jnp.arange(16 * 128, dtype=jnp.float32).reshape(16, 128)
+start = jnp.array([4], jnp.int32)
+def by_hand():
+    from jax.experimental.pallas import tpu as pltpu
+    specs = [pl.BlockSpec(memory_space=pltpu.SMEM), pl.BlockSpec()]
+    out = jax.ShapeDtypeStruct((8, 128), jnp.float32)
+    return pl.pallas_call(read_at, out_shape=out, in_specs=specs, interpret=True)
+
+pallas_guard.uninstall()
+before = (dict(discharge._discharge_rules), hlo_interpreter._dynamic_slice,
+          hlo_interpreter._dynamic_update_slice, dict(mlir._platform_specific_lowerings["cpu"]))
+jax_alone = np.asarray(jax.jit(lambda s, a: by_hand()(s, a))(start, x))
+pallas_guard.install("interpret", checks="bounds,agree")
+guarded = np.asarray(by_hand()(start, x))
+guarded_jit = np.asarray(jax.jit(lambda s, a: by_hand()(s, a))(start, x))
+pallas_guard.uninstall()
+after = (dict(discharge._discharge_rules), hlo_interpreter._dynamic_slice,
+         hlo_interpreter._dynamic_update_slice, dict(mlir._platform_specific_lowerings["cpu"]))
+print("restored", after == before)
+print("no filters", not logging.getLogger("jax._src.callback").filters)
+again = np.asarray(jax.jit(lambda s, a: by_hand()(s, a))(start, x))
+print("same bits", jax_alone.tobytes() == guarded.tobytes() == guarded_jit.tobytes() == again.tobytes())
+"""
+
+
+def test_uninstall_leaves_nothing_behind() -> None:
+    """Every function the checks and the fast plain interpretation wrapped is JAX's again, no CPU
+    rule of the guard's remains, and a kernel after uninstall() gives the bits JAX alone gives."""
+    done = run_python(LEAVES_NOTHING)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:3] == ["restored True", "no filters True", "same bits True"], done.stdout
