@@ -558,6 +558,17 @@ BLOCK_COPY = "_dynamic_slice"
 """The plain interpreter's copy of a block in at each grid step (a module function it calls by name)."""
 
 
+def host_question_inside(attribute: str) -> tuple[types.ModuleType, str] | None:
+    """Where a public host function is served by a deprecation ``__getattr__`` (which hands out the
+    function object itself, so no attribute of ours is seen), the JAX function it asks through
+    first, as (module, attribute); None where there is none."""
+    if attribute == "create_tensorcore_mesh":  # deprecated from jax 0.12; asks for the core count
+        module = import_optional("jax._src.pallas.mosaic.core")
+        if module is not None and callable(vars(module).get("_get_default_num_cores")):
+            return module, "_get_default_num_cores"
+    return None
+
+
 def block_mapping_class() -> type[Any] | None:
     cls = first_attribute([("jax._src.pallas.core", "BlockMapping")])
     return cls if isinstance(cls, type) else None
