@@ -181,9 +181,16 @@ def _row(decision: Any, nodeid: str) -> dict[str, Any]:
         "entry_point": decision.entry_point,
         "steps": decision.steps,
         "notes": list(getattr(decision, "notes", ())),
+        "checks": _verdicts(decision),
         # The one reason sentence (repr(decision) prints it too); a recording guard without it: its reason.
         "why": getattr(decision, "why", "") or decision.reason,
     }
+
+
+def _verdicts(decision: Any) -> list[str]:
+    """What the agree and lowering checks said of a kernel (``agree: ...``, ``lowering: ...``)."""
+    tried = [entry for entry in getattr(decision, "tried", ()) if entry.startswith("agree:")]
+    return tried + [note for note in getattr(decision, "notes", ()) if note.startswith("lowering:")]
 
 
 _KEY = pytest.StashKey[_Session]()
@@ -490,20 +497,30 @@ def summary_lines(rows: list[dict[str, Any]], *, details: bool) -> list[str]:
     notes = Counter(note for row in rows for note in row.get("notes") or ())
     for note, count in notes.items():  # each distinct note once, with how many kernels it concerns
         lines.append(printable(f"note ({count} kernel(s)): {note}"))
+    # An agree verdict is no note (it is in the reason sentence): counted the same way here.
+    verdicts = Counter(v for row in rows for v in row.get("checks") or () if v.startswith("agree:"))
+    for verdict, count in verdicts.items():
+        lines.append(printable(f"check ({count} kernel(s)): {verdict}"))
     if not details:
         shown = ", ".join(tests[:5]) + (f" and {len(tests) - 5} more" if len(tests) > 5 else "")
         lines.append(printable(f"from {shown} (--pallas-guard-details lists each kernel)"))
         return lines
     for row in sorted(rows, key=lambda r: (r["test"], r["action"], r["kernel"])):
         how = f" with the {row['interpreter']} interpreter" if row["action"] == "interpreted" else ""
-        steps = f", {row['steps']} grid steps" if row.get("steps") is not None else ""
+        steps = f", {_steps(row.get('steps'))}" if row.get("steps") is not None else ""
         lines.append(
             printable(
                 f"{row['action'].upper()}{how} {row['test']}: {row['kernel']} ({row['entry_point']}, defined at "
                 f"{row['defined_at'] or '?'}, called at {row['called_at'] or '?'}{steps}): {row['why']}"
             )
         )
+        if row.get("checks"):  # the checks' verdicts on this kernel, in one short line under it
+            lines.append(printable(f"    checks of {row['kernel']}: {'; '.join(row['checks'])}"))
     return lines
+
+
+def _steps(steps: int | None) -> str:
+    return "grid steps unknown" if steps is None else f"{steps} grid step{'s' if steps != 1 else ''}"
 
 
 def duration_lines(rows: list[dict[str, Any]], durations: dict[str, float], *, count: int) -> list[str]:

@@ -36,9 +36,14 @@ from ._patch import Patch
 class _Checking:
     """What the checks of one kernel's lowering need beyond the access itself."""
 
-    blocks: tuple[tuple[tuple[int, ...], tuple[int, ...], str], ...]
-    """(block shape, array shape, name) of each block-specified operand, to name a block copy."""
+    blocks: tuple[tuple[tuple[int, ...], tuple[int, ...], str, str | None], ...]
+    """(block shape, array shape, name, index map's ``file:line``) of each block-specified operand,
+    to name a block copy."""
+    grid_mapping: Any
     copies: Iterator[int] = dataclasses.field(default_factory=itertools.count)
+    step: list[Any] = dataclasses.field(default_factory=list)
+    """The program ids of the grid step whose blocks are being copied (set as the interpreter
+    computes where they start)."""
 
 
 _MARK_KEY = "pallas_guard"
@@ -91,6 +96,12 @@ def hook(hooks: list[Any]) -> None:
                     wrapper = _checking_rule(rule, access, registry.leading)
                     registry.rules[access.primitive] = wrapper
                     hooks.append(TableEntry(registry.rules, access.primitive, rule, wrapper))
+        mapping = _internals.block_mapping_class()
+        start = vars(mapping).get(_internals.BLOCK_START) if mapping is not None else None
+        if mapping is not None and callable(start) and not _is_ours(start):
+            step_wrapper = _recording_step(start)
+            setattr(mapping, _internals.BLOCK_START, step_wrapper)
+            hooks.append(Patch(mapping, _internals.BLOCK_START, start, step_wrapper))
         module = _internals.hlo_interpreter_module()
         copy = getattr(module, _internals.BLOCK_COPY, None)
         if module is not None and callable(copy) and not _is_ours(copy):
@@ -126,12 +137,25 @@ class _QuietFindings(logging.Filter):
 
 def _checking_rule(rule: Callable[..., Any], access: _internals.RefAccess, leading: int) -> Callable[..., Any]:
     def pallas_guard_checked_discharge(*args: Any, **params: Any) -> Any:
-        if _checking.get() is not None:
-            _check_access(access, args[leading:], params)
+        checking = _checking.get()
+        if checking is not None:
+            _check_access(checking, access, args[leading:], params)
         return rule(*args, **params)
 
     pallas_guard_checked_discharge.pallas_guard_checking = True  # type: ignore[attr-defined]
     return pallas_guard_checked_discharge
+
+
+def _recording_step(start: Callable[..., Any]) -> Callable[..., Any]:
+    def pallas_guard_block_start(self: Any, loop_idx: Any, *args: Any) -> Any:
+        checking = _checking.get()
+        if checking is not None:
+            vmapped = getattr(checking.grid_mapping, "vmapped_dims", None) or ()
+            checking.step[:] = [index for axis, index in enumerate(loop_idx) if axis not in vmapped]
+        return start(self, loop_idx, *args)
+
+    pallas_guard_block_start.pallas_guard_checking = True  # type: ignore[attr-defined]
+    return pallas_guard_block_start
 
 
 def _checking_block_copy(copy: Callable[..., Any]) -> Callable[..., Any]:
@@ -173,7 +197,7 @@ def lower(
         return None
     lower_fun = tools[2]
     hook(hooks)
-    state = _Checking(_blocks(params.get("grid_mapping")))
+    state = _Checking(_blocks(params.get("grid_mapping")), params.get("grid_mapping"))
 
     def checked(*args: Any) -> Any:
         token = _checking.set(state)
@@ -209,13 +233,14 @@ def _raise_finding(error: Any, *, kernel: KernelInfo, call_site: CallSite) -> No
         raise _diagnostics.bounds_finding(finding, kernel=kernel, call_site=call_site)
 
 
-def _blocks(grid_mapping: Any) -> tuple[tuple[tuple[int, ...], tuple[int, ...], str], ...]:
+def _blocks(grid_mapping: Any) -> tuple[tuple[tuple[int, ...], tuple[int, ...], str, str | None], ...]:
     found = []
     for mapping in getattr(grid_mapping, "block_mappings", ()) or ():
         array = getattr(mapping, "array_shape_dtype", None) or getattr(mapping, "array_aval", None)
         shape = tuple(getattr(array, "shape", ()))
         block = tuple(_block_size(b) for b in getattr(mapping, "block_shape", ()))
-        found.append((block, shape, str(getattr(mapping, "origin", "") or "")))
+        _, index_map = _diagnostics.traced_function(getattr(mapping, "index_map_jaxpr", None))
+        found.append((block, shape, str(getattr(mapping, "origin", "") or ""), index_map))
     return tuple(found)
 
 
@@ -229,7 +254,9 @@ def _block_size(dim: Any) -> int:
 # --- the checks -----------------------------------------------------------------------------------
 
 
-def _check_access(access: _internals.RefAccess, operands_flat: Sequence[Any], params: dict[str, Any]) -> None:
+def _check_access(
+    checking: _Checking, access: _internals.RefAccess, operands_flat: Sequence[Any], params: dict[str, Any]
+) -> None:
     import jax
 
     tree = params.get(access.tree_param)
@@ -242,12 +269,14 @@ def _check_access(access: _internals.RefAccess, operands_flat: Sequence[Any], pa
         operands = tuple(jax.tree_util.tree_unflatten(tree, flat))
     mask = operands[access.mask_at] if access.mask_at is not None and len(operands) > access.mask_at else None
     site = _site()
+    # Bound here, in the discharged kernel, they are the program ids of whichever step evaluates it.
+    step = _internals.program_ids(checking.grid_mapping)
     for role, ref, transforms in _indexed(operands):
         if access.kind == "copy":  # a DMA: source, destination, then semaphores
             kind = ("DMA read", "DMA write")[role] if role < 2 else "semaphore access"
         else:
             kind = access.kind
-        _check_indexed(kind, ref, transforms, mask if role == 0 else None, site)
+        _check_indexed(kind, ref, transforms, mask if role == 0 else None, site, step=step)
 
 
 def _indexed(operands: Sequence[Any]) -> Iterator[tuple[int, Any, tuple[Any, ...]]]:
@@ -279,7 +308,9 @@ def _escape(text: str) -> str:
     return text.replace("{", "{{").replace("}", "}}")
 
 
-def _check_indexed(kind: str, ref: Any, transforms: tuple[Any, ...], mask: Any, site: str) -> None:
+def _check_indexed(
+    kind: str, ref: Any, transforms: tuple[Any, ...], mask: Any, site: str, *, step: list[Any] | None
+) -> None:
     """Check one access through ``transforms``: composed into element ranges of the buffer where
     they are slices and integers (a view may overhang where the elements read do not), one
     indexer at a time otherwise."""
@@ -290,15 +321,16 @@ def _check_indexed(kind: str, ref: Any, transforms: tuple[Any, ...], mask: Any, 
     dtype = str(getattr(ref, "dtype", "")) or "?"
     composed = _compose(indexers) if len(indexers) == len(transforms) else None
     if composed is not None:
-        _check_ranges(kind, composed, tuple(indexers[0].shape), dtype=dtype, mask=mask, site=site)
+        _check_ranges(kind, composed, tuple(indexers[0].shape), dtype=dtype, mask=mask, site=site, step=step)
         return
     for position, indexer in enumerate(indexers):
         last = position == len(indexers) - 1
         single = _compose([indexer])
         if single is not None:
-            _check_ranges(kind, single, tuple(indexer.shape), dtype=dtype, mask=mask if last else None, site=site)
+            masked = mask if last else None
+            _check_ranges(kind, single, tuple(indexer.shape), dtype=dtype, mask=masked, site=site, step=step)
         elif mask is None or not last:
-            _check_gather(kind, indexer, dtype, site)
+            _check_gather(kind, indexer, dtype, site, step)
         # A masked gather-style access: which elements the mask covers is not followed; unchecked.
 
 
@@ -336,7 +368,9 @@ def _as_index(value: Any) -> Any:
     return value if isinstance(value, int) else jnp.asarray(value).astype(jnp.int32)
 
 
-def _check_ranges(kind: str, ranges: list[_Range], shape: tuple[int, ...], *, dtype: str, mask: Any, site: str) -> None:
+def _check_ranges(
+    kind: str, ranges: list[_Range], shape: tuple[int, ...], *, dtype: str, mask: Any, site: str, step: list[Any] | None
+) -> None:
     import jax.numpy as jnp
 
     first = [jnp.asarray(offset, jnp.int32) for offset, _, _ in ranges]
@@ -360,7 +394,7 @@ def _check_ranges(kind: str, ranges: list[_Range], shape: tuple[int, ...], *, dt
     message = f"{kind} [{', '.join(shown)}]{masked} of a {_escape(dtype)}{list(shape)} buffer {_escape(site)}".replace(
         "[]", "[()]"
     )
-    _check(ok, message, values)
+    _check(ok, message, values, step)
 
 
 def _unmasked_outside(ranges: list[_Range], shape: tuple[int, ...], first: list[Any], mask: Any) -> Any:
@@ -381,7 +415,7 @@ def _unmasked_outside(ranges: list[_Range], shape: tuple[int, ...], first: list[
     return jnp.any(outside & jnp.broadcast_to(jnp.asarray(mask, jnp.bool_), out_shape))
 
 
-def _check_gather(kind: str, indexer: Any, dtype: str, site: str) -> None:
+def _check_gather(kind: str, indexer: Any, dtype: str, site: str, step: list[Any] | None) -> None:
     """An indexer with index arrays (a gather or scatter): every index inside its dimension."""
     import jax.numpy as jnp
 
@@ -404,7 +438,7 @@ def _check_gather(kind: str, indexer: Any, dtype: str, site: str) -> None:
             shown.append("{}..{}" if array.shape else "{}")
             values += [jnp.min(array), jnp.max(array)] if array.shape else [array]
     message = f"{kind} [{', '.join(shown)}] of a {_escape(dtype)}{list(indexer.shape)} buffer {_escape(site)}"
-    _check(ok, message, values)
+    _check(ok, message, values, step)
 
 
 def _check_block(checking: _Checking, start: Any, block: tuple[int, ...], value: Any) -> None:
@@ -422,27 +456,32 @@ def _check_block(checking: _Checking, start: Any, block: tuple[int, ...], value:
     )
     # The interpreter copies every block operand in order at each step: the count names this one.
     position = next(checking.copies)
-    name, array = "an operand", shape
+    name, array, index_map = "an operand", shape, None
     if checking.blocks:
-        known_block, array, origin = checking.blocks[position % len(checking.blocks)]
+        known_block, array, origin, index_map = checking.blocks[position % len(checking.blocks)]
         if known_block == block and _padded(array, block) == shape:
             name = origin or name
         else:
-            array = shape
+            array, index_map = shape, None
+    its_map = f"its index map at {_escape(index_map)}" if index_map else "its index map"
     message = (
         f"block copy of {_escape(name)} ({_escape(str(value.dtype))}{list(array)}): the block of shape "
-        f"{list(block)} at element offset [{', '.join('{}' for _ in starts)}] lies outside the array (its index "
-        "map points past the array's last block)"
+        f"{list(block)} at element offset [{', '.join('{}' for _ in starts)}] lies outside the array ({its_map} "
+        "points past the array's last block)"
     )
-    _check(ok, message, starts)
+    _check(ok, message, starts, list(checking.step) or None)
 
 
 def _padded(shape: tuple[int, ...], block: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(-(-n // b) * b if b else n for n, b in zip(shape, block, strict=False))
 
 
-def _check(ok: Any, message: str, values: list[Any]) -> None:
+def _check(ok: Any, message: str, values: list[Any], step: list[Any] | None) -> None:
+    """One check; ``step`` (the program ids, none for a grid of no axes) says at which grid step."""
     import jax.numpy as jnp
     from jax.experimental import checkify
 
+    if step:
+        message += f", at grid step ({', '.join('{}' for _ in step)}{',' if len(step) == 1 else ''})"
+        values = [*values, *step]
     checkify.check(jnp.asarray(ok, jnp.bool_), message, *[jnp.asarray(v, jnp.int32) for v in values])

@@ -59,10 +59,23 @@ def wanted() -> str | None:
         return None
     if device not in DEVICES or policy not in (Policy.INTERPRET, Policy.WARN):
         return None
+    return str(device) if _cpu_target() else None
+
+
+def interpreting_on_cpu() -> bool:
+    """Whether the guard interprets here (policy ``interpret`` or ``warn``) with the CPU as the
+    target: where a device, set, would be presented."""
+    try:
+        policy = _settings.current_policy().value
+    except (ValueError, TypeError):
+        return False
+    return policy in (Policy.INTERPRET, Policy.WARN) and _cpu_target()
+
+
+def _cpu_target() -> bool:
+    """The target is the CPU (configured, or unknown with no accelerator plugin to lower for)."""
     target = _target.detect().platform
-    if target == "cpu" or (target is None and not _target.installed_accelerator_plugins()):
-        return str(device)
-    return None
+    return target == "cpu" or (target is None and not _target.installed_accelerator_plugins())
 
 
 def _free(mesh: Any) -> bool:

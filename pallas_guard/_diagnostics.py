@@ -43,15 +43,20 @@ def kernel_from_callable(kernel: object, *, entry_point: str, name: object = Non
 _SRC_INFO = re.compile(r"^(?P<name>.*?) at (?P<location>.+:\d+)$")
 
 
+def traced_function(jaxpr: Any) -> tuple[str | None, str | None]:
+    """``(name, file:line)`` of the Python function a (closed) jaxpr was traced from, as its debug
+    info says; ``(None, None)`` where it says nothing."""
+    debug_info = getattr(jaxpr, "debug_info", None) or getattr(getattr(jaxpr, "jaxpr", None), "debug_info", None)
+    match = _SRC_INFO.match(str(getattr(debug_info, "func_src_info", "") or ""))
+    return (match["name"], match["location"]) if match else (None, None)
+
+
 def kernel_from_params(params: Mapping[str, Any], *, entry_point: str) -> KernelInfo:
     """Facts about a kernel from its equation's parameters (the lowering net's only source)."""
     jaxpr = params.get("jaxpr")
     if jaxpr is None and params.get("jaxprs"):
         jaxpr = params["jaxprs"][0]
-    debug_info = getattr(jaxpr, "debug_info", None) or getattr(getattr(jaxpr, "jaxpr", None), "debug_info", None)
-    src_info = str(getattr(debug_info, "func_src_info", "") or "")
-    match = _SRC_INFO.match(src_info)
-    label, location = (match["name"], match["location"]) if match else (None, None)
+    label, location = traced_function(jaxpr)
     name = params.get("name")
     if name_and_src := params.get("name_and_src_info"):
         name = getattr(name_and_src, "name", name)

@@ -1,4 +1,5 @@
-"""The JAX entry points that build Pallas kernels: one row each, read by every layer."""
+"""The JAX entry points that build Pallas kernels, and the host functions that ask which accelerator
+this is: one row each, read by every layer."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import Any, NamedTuple
 
 PALLAS_MODULE = "jax.experimental.pallas"
 MOSAIC_GPU_MODULE = "jax.experimental.pallas.mosaic_gpu"
+TPU_MODULE = "jax.experimental.pallas.tpu"
 
 
 class EntryPoint(NamedTuple):
@@ -51,4 +53,20 @@ ENTRY_POINTS = (
     EntryPoint("plgpu.kernel", MOSAIC_GPU_MODULE, "kernel", "body", None, True),
 )
 BY_LABEL = {entry.label: entry for entry in ENTRY_POINTS}
-MODULES = tuple(dict.fromkeys(entry.module for entry in ENTRY_POINTS))
+
+
+class HostQuestion(NamedTuple):
+    """A public host function that asks which TPU/GPU this is, and fails on the CPU: wrapped (as an
+    entry point is, its defining module too) to add which device setting answers it."""
+
+    label: str
+    module: str
+    attribute: str
+
+
+# JAX's public GPU modules have no such function: its GPU kernels read the abstract device directly.
+HOST_QUESTIONS = (
+    HostQuestion("pltpu.get_tpu_info", TPU_MODULE, "get_tpu_info"),
+    HostQuestion("pltpu.create_tensorcore_mesh", TPU_MODULE, "create_tensorcore_mesh"),
+)
+MODULES = tuple(dict.fromkeys([*(entry.module for entry in ENTRY_POINTS), *(q.module for q in HOST_QUESTIONS)]))

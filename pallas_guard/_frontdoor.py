@@ -29,7 +29,7 @@ from . import (
     _settings,
     _target,
 )
-from ._entry_points import EntryPoint
+from ._entry_points import EntryPoint, HostQuestion
 from ._enums import Policy
 from ._kernel import Kernel
 from ._ledger import Guarding
@@ -188,6 +188,27 @@ def at_call(
         tpu_cores=_device.cores(device) if _device.platform(device) == "tpu" else None,
     )
     return run(args, kwargs)
+
+
+def wrap_host_question(original: Callable[..., Any], question: HostQuestion, installation: Guarding) -> Any:
+    """The wrapper that replaces a host function asking which accelerator this is: JAX's own call,
+    and where it fails on the CPU while the guard interprets, the note an entry point's gets."""
+
+    def pallas_guard_host_question(
+        wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        del instance
+        try:
+            return wrapped(*args, **kwargs)
+        except Exception as error:
+            if _device.interpreting_on_cpu():
+                note_which_accelerator(error)
+            raise
+
+    pallas_guard_host_question.__qualname__ = f"pallas_guard_host_question[{question.label}]"
+    wrapper = _entry_point_wrapper_class()(original, pallas_guard_host_question, installation.is_active)
+    wrapper._self_pallas_guard = True  # noqa: SLF001
+    return wrapper
 
 
 def note_which_accelerator(error: BaseException) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 import pallas_guard_autoload
 
 from . import _settings
-from ._entry_points import ENTRY_POINTS, MODULES, EntryPoint
+from ._entry_points import ENTRY_POINTS, HOST_QUESTIONS, MODULES, EntryPoint, HostQuestion
 from ._enums import Interpreter, Policy
 from ._ledger import Ledger
 from ._patch import Patch
@@ -105,6 +105,9 @@ class Installation:
                 for entry in ENTRY_POINTS:
                     if entry.module == module.__name__:
                         self._wrap_entry_point(module, entry)
+                for question in HOST_QUESTIONS:
+                    if question.module == module.__name__:
+                        self._wrap_host_question(module, question)
                 self._install_lowering_net()
                 from . import _device
 
@@ -141,7 +144,28 @@ class Installation:
             return
         from ._frontdoor import wrap_entry_point
 
-        wrapper = wrap_entry_point(original, entry, self)
+        self._patch_function(module, attribute, original, wrap_entry_point(original, entry, self))
+
+    def _wrap_host_question(self, module: ModuleType, question: HostQuestion) -> None:
+        from ._frontdoor import wrap_host_question
+
+        original = vars(module).get(question.attribute)
+        if original is None:  # served by a deprecation __getattr__: wrap what it asks through
+            from . import _internals
+
+            inside = _internals.host_question_inside(question.attribute)
+            if inside is None:
+                return
+            module, attribute = inside
+            original = vars(module)[attribute]
+            if not _is_ours(original):
+                self._patch_function(module, attribute, original, wrap_host_question(original, question, self))
+            return
+        if not _is_ours(original) and callable(original):
+            self._patch_function(module, question.attribute, original, wrap_host_question(original, question, self))
+
+    def _patch_function(self, module: ModuleType, attribute: str, original: Any, wrapper: Any) -> None:
+        """``module.attribute`` (and the same function where it is defined) replaced by ``wrapper``."""
         owners = [module]
         # Also patch the defining module: JAX's own callers (and PallasTest) look the function up there.
         defining = sys.modules.get(getattr(original, "__module__", "") or "")

@@ -558,6 +558,48 @@ BLOCK_COPY = "_dynamic_slice"
 """The plain interpreter's copy of a block in at each grid step (a module function it calls by name)."""
 
 
+def host_question_inside(attribute: str) -> tuple[types.ModuleType, str] | None:
+    """Where a public host function is served by a deprecation ``__getattr__`` (which hands out the
+    function object itself, so no attribute of ours is seen), the JAX function it asks through
+    first, as (module, attribute); None where there is none."""
+    if attribute == "create_tensorcore_mesh":  # deprecated from jax 0.12; asks for the core count
+        module = import_optional("jax._src.pallas.mosaic.core")
+        if module is not None and callable(vars(module).get("_get_default_num_cores")):
+            return module, "_get_default_num_cores"
+    return None
+
+
+def block_mapping_class() -> type[Any] | None:
+    cls = first_attribute([("jax._src.pallas.core", "BlockMapping")])
+    return cls if isinstance(cls, type) else None
+
+
+BLOCK_START = "compute_start_indices_interpret"
+"""The plain interpreter's computation, at each grid step, of where a block mapping's block starts
+(a ``BlockMapping`` method taking the step's program ids, called just before the block copies)."""
+
+
+def program_ids(grid_mapping: Any) -> list[Any] | None:
+    """The program ids of the grid step being run, as values a kernel's discharged jaxpr computes:
+    ``program_id`` bound while discharging (JAX's tracing grid context makes that legal) is, when
+    the plain interpreter evaluates the jaxpr inside a step, that step's index on each axis. None
+    where this jax lacks the pieces or the grid is not plain integers."""
+    core = import_optional("jax._src.pallas.core")
+    tracing_grid_env = getattr(core, "tracing_grid_env", None)
+    program_id = first_attribute([("jax._src.pallas.primitives", "program_id")])
+    grid = tuple(getattr(grid_mapping, "grid", None) or ())
+    vmapped = tuple(getattr(grid_mapping, "vmapped_dims", None) or ())
+    if tracing_grid_env is None or program_id is None or getattr(grid_mapping, "local_grid_env", None) is not None:
+        return None
+    if not all(isinstance(n, int) for n in grid):
+        return None
+    try:
+        with tracing_grid_env(grid, vmapped):
+            return [program_id(axis) for axis in range(len(grid) - len(vmapped))]
+    except Exception:  # a jax whose grid context works otherwise: no grid step in the finding
+        return None
+
+
 WRITE_BACK = "_dynamic_update_slice"
 """The plain interpreter's copy of a block back out at each grid step (a module function it calls by
 name, once per block operand in the order of the grid mapping's block mappings)."""

@@ -16,7 +16,7 @@ from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
 from . import _diagnostics, _internals, _interpreters
-from ._entry_points import EntryPoint
+from ._entry_points import PALLAS_CALL, EntryPoint
 
 
 class Kernel:
@@ -45,9 +45,12 @@ class Kernel:
 
     @functools.cached_property
     def grid(self) -> tuple[Any, ...] | None:
+        """The grid it was built with; None where a mesh decides the steps (``pl.kernel``, ...)."""
         grid = self.kwargs.get("grid")
         if grid is None:
             grid = getattr(self.kwargs.get("grid_spec"), "grid", None)
+        if grid is None and self.entry is PALLAS_CALL and self.kwargs.get("grid_spec") is None:
+            return ()  # JAX's default: a pallas_call without a grid runs its body once
         return (grid,) if isinstance(grid, int) else tuple(grid) if grid is not None else None
 
     @functools.cached_property

@@ -43,6 +43,7 @@ class Ledger:
         self._calling: contextvars.ContextVar[KernelInfo | None] = contextvars.ContextVar(
             "pallas_guard_calling", default=None
         )
+        self._passed: dict[str, set[KernelInfo]] = {}
         self._left: dict[tuple[str, str | None], tuple[tuple[str, ...], tuple[str, ...]]] = {}
         self._settled: dict[Hashable, tuple[str, tuple[str, ...]]] = {}
 
@@ -94,7 +95,12 @@ class Ledger:
     def calling(self, kernel: KernelInfo) -> Iterator[None]:
         """While the front door passes a call on: an eager call lowers inside it, and the net then
         names the kernel as the front door knows it (the traced jaxpr may not say where its body is
-        defined: a callable object, a wrapper)."""
+        defined: a callable object, a wrapper). A traced call lowers after it returns (under
+        ``jax.jit``): the kernel is also kept by its name, for :meth:`passed`."""
+        with self._lock:
+            known = self._passed.setdefault(kernel.name, set())
+            if len(known) < _MAX_ENTRIES and len(self._passed) < _MAX_ENTRIES:
+                known.add(kernel)
         token = self._calling.set(kernel)
         try:
             yield
@@ -103,6 +109,13 @@ class Ledger:
 
     def called(self) -> KernelInfo | None:
         return self._calling.get()
+
+    def passed(self, name: str) -> KernelInfo | None:
+        """The kernel the front door passed on under ``name``, where exactly one was: what the net
+        names a kernel by when the equation shows only JAX's own wrapper (``plgpu.kernel``)."""
+        with self._lock:
+            known = self._passed.get(name, set())
+            return next(iter(known)) if len(known) == 1 else None
 
     # --- settled choices, by kernel identity ----------------------------------------------------
 
@@ -124,6 +137,7 @@ class Ledger:
             self._injected.clear()
             self._injected_strongly.clear()
             self._left.clear()
+            self._passed.clear()
             self._settled.clear()
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from . import _act, _bounds, _diagnostics, _engine, _internals, _plain, _plan, _settings, _target
 from ._enums import Policy
-from ._ledger import Guarding
+from ._ledger import Guarding, Ledger
 
 LoweringRule = Callable[..., Any]
 
@@ -30,8 +30,7 @@ def make_cpu_rule(entry_point: str, delegate: LoweringRule, installation: Guardi
             on_stack = _diagnostics.user_call_site()
             if on_stack.is_users:  # the library frame the equation recorded stays beside it
                 call_site = on_stack._replace(via=on_stack.via or call_site.via or call_site.user)
-        kernel = installation.ledger.called() or _diagnostics.kernel_from_params(params, entry_point=entry_point)
-        return kernel, call_site
+        return _kernel_of(params, entry_point, installation.ledger), call_site
 
     interpret_plain = _plain.interpreting(delegate)
 
@@ -137,6 +136,19 @@ class InstalledRule:
             del self.registry.cpu[self.primitive]
         else:
             self.registry.cpu[self.primitive] = self.previous
+
+
+def _kernel_of(params: dict[str, Any], entry_point: str, ledger: Ledger) -> _diagnostics.KernelInfo:
+    """The kernel being lowered, named as the front door knew it where it can tell."""
+    kernel = ledger.called()
+    if kernel is None:
+        kernel = _diagnostics.kernel_from_params(params, entry_point=entry_point)
+        defined_in = (kernel.defined_at or "").rpartition(":")[0]
+        if not defined_in or _diagnostics.frame_kind(defined_in) == "internal":
+            # The equation shows JAX's wrapper around the body (plgpu.kernel under jit, which lowers
+            # after the front door's call returned): the front door knew the body.
+            kernel = ledger.passed(kernel.name) or kernel
+    return kernel
 
 
 def install_rule(

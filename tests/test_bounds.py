@@ -86,6 +86,7 @@ def test_an_out_of_bounds_read_is_found_and_located(jit: bool) -> None:
     assert f"called at {__file__}:{line_of('GENERIC-CALL')}" in text
     assert "read [20:28] of a float32[24] buffer" in text
     assert f"test_bounds.py:{line_of('READ-SITE')} (`o_ref[...] = x_ref[pl.ds(" in text
+    assert text.endswith(", at grid step (2,)")  # steps 0 and 1 read inside the buffer
     assert pallas_guard.decisions()[-1].interpreter == "plain"
 
 
@@ -103,18 +104,22 @@ def copy_kernel(x_ref, o_ref):  # type: ignore[no-untyped-def]
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 def test_an_index_map_pointing_past_the_array_is_found(jit: bool) -> None:
     def call(shift: int) -> Callable[[], Any]:
-        return lambda: pl.pallas_call(
-            copy_kernel,
-            out_shape=jax.ShapeDtypeStruct((16,), jnp.float32),
-            grid=(2,),
-            in_specs=[pl.BlockSpec((8,), lambda i: (i + shift,))],
-            out_specs=pl.BlockSpec((8,), lambda i: (i,)),
-        )(X[:16])
+        return (
+            lambda: pl.pallas_call(
+                copy_kernel,
+                out_shape=jax.ShapeDtypeStruct((16,), jnp.float32),
+                grid=(2, 3),
+                in_specs=[pl.BlockSpec((8,), lambda i, j: (i + shift,))],  # SHIFTED-INDEX-MAP
+                out_specs=pl.BlockSpec((8,), lambda i, j: (i,)),
+            )(X[:16])
+        )
 
     np.testing.assert_array_equal(_same_as_unchecked(call(0)), X[:16])
     text = _finding(call(1), jit=jit)
     assert f"{FINDING} block copy in Pallas kernel 'copy_kernel'" in text
     assert "the block of shape [8] at element offset [16] lies outside the array" in text
+    assert f"(its index map at {__file__}:{line_of('SHIFTED-INDEX-MAP')} points past" in text
+    assert text.endswith(", at grid step (1, 0)")  # the first step of the second row
 
 
 def test_a_ragged_last_block_is_no_finding() -> None:
@@ -218,7 +223,7 @@ def test_a_scalar_prefetch_index_map_out_of_range_is_found(jit: bool) -> None:
         spec = pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1,
             grid=(2,),
-            in_specs=[pl.BlockSpec((8,), lambda i, idx: (idx[i],))],
+            in_specs=[pl.BlockSpec((8,), lambda i, idx: (idx[i],))],  # PREFETCH-INDEX-MAP
             out_specs=pl.BlockSpec((8,), lambda i, idx: (i,)),
         )
         out = jax.ShapeDtypeStruct((16,), jnp.float32)
@@ -227,7 +232,10 @@ def test_a_scalar_prefetch_index_map_out_of_range_is_found(jit: bool) -> None:
         )
 
     np.testing.assert_array_equal(_same_as_unchecked(call([2, 0])), np.concatenate([X[16:24], X[:8]]))
-    assert "at element offset [24] lies outside the array" in _finding(call([3, 0]), jit=jit)
+    text = _finding(call([0, 3]), jit=jit)
+    assert "at element offset [24] lies outside the array" in text
+    assert f"(its index map at {__file__}:{line_of('PREFETCH-INDEX-MAP')} points past" in text
+    assert text.endswith(", at grid step (1,)")
 
 
 def dma_window(start_ref, x_hbm, o_ref, buffer, sem):  # type: ignore[no-untyped-def]

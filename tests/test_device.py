@@ -159,6 +159,48 @@ def test_host_code_without_a_device_fails_as_before_and_with_one_runs(guard: Cal
     assert pltpu.create_tensorcore_mesh("core").shape["core"] == 2
 
 
+_ASKS: dict[str, Callable[[], object]] = {
+    "get_tpu_info": lambda: pltpu.get_tpu_info(),  # noqa: PLW0108 - looked up at the call: wrapped or not
+    "create_tensorcore_mesh": lambda: pltpu.create_tensorcore_mesh("core"),
+}
+
+
+def _jax_host_functions() -> dict[str, object]:
+    """Every place the guard may wrap a host question: the public names and where JAX defines them."""
+    from jax._src.pallas.mosaic import core, tpu_info
+
+    places = [(pltpu, "get_tpu_info"), (pltpu, "create_tensorcore_mesh"), (tpu_info, "get_tpu_info")]
+    places += [(core, "create_tensorcore_mesh"), (core, "_get_default_num_cores")]
+    return {f"{module.__name__}.{name}": vars(module).get(name) for module, name in places}
+
+
+@pytest.mark.parametrize("ask", sorted(_ASKS))
+def test_host_code_asking_which_tpu_gets_the_device_setting_as_a_note(ask: str) -> None:
+    """Without a device, JAX's own error (type and message) plus a note naming the setting that
+    answers it; with one, an answer; under strict no note; after uninstall, JAX's own functions."""
+    call = _ASKS[ask]
+    jaxs = _jax_host_functions()
+    with pytest.raises(Exception) as unguarded:
+        call()
+    pallas_guard.install("interpret")
+    with pytest.raises(type(unguarded.value)) as guarded:
+        call()
+    assert type(guarded.value) is type(unguarded.value)
+    assert str(guarded.value) == str(unguarded.value)
+    (note,) = guarded.value.__notes__
+    assert "asks which TPU it runs on" in note
+    assert "set PALLAS_GUARD_DEVICE=tpu-v5e" in note
+    with pallas_guard.policy(device="tpu-v5e"):
+        call()
+    with pallas_guard.policy("strict"), pytest.raises(type(unguarded.value)) as refused:
+        call()
+    assert not getattr(refused.value, "__notes__", None)
+    # Identity: a wrapt proxy compares equal to what it wraps.
+    assert any(f is not jaxs[name] for name, f in _jax_host_functions().items())  # wrapped while installed
+    pallas_guard.uninstall()
+    assert all(f is jaxs[name] for name, f in _jax_host_functions().items())
+
+
 SPARSE_CORE = """
 import inspect, jax, jax.numpy as jnp, numpy as np
 from jax.experimental import pallas as pl

@@ -366,6 +366,30 @@ def test_pl_kernel_strict_refuses(guard: Any, xs: jax.Array) -> None:
         jax.jit(_kernel_call)(xs)
 
 
+def gpu_body(x_ref, o_ref):  # type: ignore[no-untyped-def]
+    o_ref[...] = x_ref[...] + 1.0
+
+
+def test_plgpu_kernel_strict_under_jit_names_the_users_body(guard: Any, xs: jax.Array) -> None:
+    """Under jit the equation shows only JAX's wrapper around the body, and lowers after the front
+    door's call returned: the refusal still names the user's function and plgpu.kernel."""
+    try:
+        from jax.experimental.pallas import mosaic_gpu as plgpu
+    except ImportError as error:  # absl-py missing (jax 0.8.1-0.10.2)
+        pytest.skip(f"jax.experimental.pallas.mosaic_gpu does not import here: {error}")
+    if not hasattr(plgpu, "kernel") or _internals.gpu_params_class() is None:
+        pytest.skip("this jax has no plgpu.kernel or no Mosaic-GPU interpreter")
+    import inspect
+
+    out = "out_type" if "out_type" in inspect.signature(plgpu.kernel).parameters else "out_shape"
+    guard("strict")
+    kernel = plgpu.kernel(gpu_body, **{out: jax.ShapeDtypeStruct(xs.shape, xs.dtype)})
+    with pytest.raises(PallasGuardError) as refused:
+        jax.jit(kernel)(xs)
+    text = str(refused.value)
+    assert f"'gpu_body' (built with plgpu.kernel) (defined at {__file__}:{line_of('def gpu_body')})" in text
+
+
 @pytest.mark.skipif(not HAS_KERNEL, reason="pl.kernel exists from jax 0.8.1")
 def test_pl_kernel_off_gives_jax_its_own_error(guard: Any, xs: jax.Array) -> None:
     guard("off")

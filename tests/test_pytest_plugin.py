@@ -839,3 +839,34 @@ def test_one_reason_sentence_in_the_record_the_details_and_the_durations(tester:
     assert details.endswith(f"2 grid steps): {why}")
     assert f"why scale_kernel: {why}" in [line.strip() for line in result.outlines]
     assert "front door" not in result.stdout.str() and "[lowering" not in result.stdout.str()
+
+
+def test_a_gridless_kernel_is_one_step_and_each_kernels_check_verdicts_are_one_line(tester: pytest.Pytester) -> None:
+    """A pallas_call without a grid runs its body once, eagerly and under jit; the agree verdict and
+    the lowering check's outcome of each kernel read in one line under it in the details, and the
+    summary counts each verdict once."""
+    tester.makepyfile(
+        test_gridless=KERNELS
+        + """
+
+def test_eager():
+    assert float(add_one(X)[0]) == 1.0
+
+
+def test_jit():
+    assert float(jax.jit(add_one)(X + 1)[0]) == 2.0
+"""
+    )
+    args = ("--pallas-guard-policy=interpret", "--pallas-guard-checks=agree,lowering", "--pallas-guard-device=tpu-v5e")
+    result = runpytest(tester, *args, "--pallas-guard-details", "--pallas-guard-durations=0")
+    result.assert_outcomes(passed=2)
+    out = result.stdout.str()
+    assert "grid steps unknown" not in out
+    assert out.count("add_one_kernel (plain, 1 step)") == 2  # the slowest tests
+    details = [line for line in result.outlines if line.startswith("INTERPRETED")]
+    assert len(details) == 2 and all(", 1 grid step): " in line for line in details)
+    checks = [line.strip() for line in result.outlines if line.strip().startswith("checks of add_one_kernel: ")]
+    agree = "agree: plain, tpu agree bit for bit"
+    lowering = "lowering: lowers for tpu (TPU v5 lite, the device setting)"
+    assert checks == [f"checks of add_one_kernel: {agree}; {lowering}"] * 2
+    assert f"check (2 kernel(s)): {agree}" in result.outlines
