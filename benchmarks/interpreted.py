@@ -228,15 +228,28 @@ def _install(**settings: Any) -> None:
     pallas_guard.install("interpret", **{**defaults, **settings})
 
 
+PROGRAMS: dict[int, str] = {}
+"""The compiled program's text of each call :func:`_compiled` made (by the call's id)."""
+
+
 def _compiled(function: Callable[..., Any], inputs: tuple[Any, ...]) -> Callable[[], Any]:
-    """``function`` jitted, compiled ahead of time, as a call that waits for its result."""
+    """``function`` jitted, compiled ahead of time, as a call that waits for its result (a
+    reference ``jax.jit`` cannot trace runs eagerly)."""
     import jax
 
     jax.clear_caches()  # no trace or lowering shared between variants
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        compiled = jax.jit(function).lower(*inputs).compile()
-    return lambda: jax.block_until_ready(compiled(*inputs))
+        try:
+            compiled = jax.jit(function).lower(*inputs).compile()
+        except jax.errors.TracerArrayConversionError:
+            return lambda: jax.block_until_ready(function(*inputs))
+
+    def call() -> Any:
+        return jax.block_until_ready(compiled(*inputs))
+
+    PROGRAMS[id(call)] = compiled.as_text() or ""
+    return call
 
 
 def _chosen() -> str:
@@ -255,8 +268,8 @@ def _differs(a: Any, b: Any) -> str | None:
     left, right = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
     if len(left) != len(right):
         return f"{len(left)} vs {len(right)} outputs"
-    for index, (x, y) in enumerate(zip(left, right, strict=True)):
-        x, y = np.asarray(x), np.asarray(y)
+    for index, (leaf_x, leaf_y) in enumerate(zip(left, right, strict=True)):
+        x, y = np.asarray(leaf_x), np.asarray(leaf_y)
         if x.shape != y.shape or x.dtype != y.dtype or x.tobytes() != y.tobytes():
             worst = float(np.max(np.abs(x.astype(np.float64) - y.astype(np.float64)))) if x.shape == y.shape else None
             return f"output {index} differs (max abs difference {worst})"
@@ -276,11 +289,13 @@ class Measured:
     differs: str | None
     spread: tuple[float, float]
     wall: float
+    same_program: bool
 
 
 def _measure(
     name: str,
     scale: int | None,
+    *,
     guard: Callable[[], Any],
     by_hand: Callable[[], Any],
     reference: Callable[[], Any],
@@ -288,6 +303,7 @@ def _measure(
     pairs: int,
 ) -> Measured:
     differs = _differs(guard(), by_hand())
+    same_program = PROGRAMS.get(id(guard)) == PROGRAMS.get(id(by_hand))
     g, j, r = (_timed(f, _repeats(f)) for f in (guard, by_hand, reference))
     versus_jax = interleave(g, j, pairs=pairs)
     versus_jnp = interleave(g, r, pairs=pairs)
@@ -303,6 +319,7 @@ def _measure(
         differs,
         versus_jax.spread("cpu"),
         versus_jax.ratio("wall"),
+        same_program,
     )
 
 
@@ -317,7 +334,7 @@ def _own(make: Callable[[int], Kernel], scale: int, pairs: int) -> Measured:
     pallas_guard.uninstall()  # JAX's interpreter as it ships, written by hand
     by_hand = _compiled(kernel.build(True), kernel.inputs)
     reference = _compiled(kernel.reference, kernel.inputs)
-    return _measure(kernel.name, scale, guard, by_hand, reference, chosen, pairs)
+    return _measure(kernel.name, scale, guard=guard, by_hand=by_hand, reference=reference, chosen=chosen, pairs=pairs)
 
 
 def _corpus(quick: bool, pairs: int) -> list[Measured | Row]:
@@ -352,7 +369,9 @@ def _corpus(quick: bool, pairs: int) -> list[Measured | Row]:
         except Exception as error:  # recorded, not raised: one kernel must not hide the others
             measured.append(Row(f"4e. interpreted: {case.name}", None, EACH_TARGET, note=f"failed: {error!r:.200}"))
             continue
-        measured.append(_measure(case.name, None, guard, by_hand, reference, chosen, pairs))
+        measured.append(
+            _measure(case.name, None, guard=guard, by_hand=by_hand, reference=reference, chosen=chosen, pairs=pairs)
+        )
     return measured
 
 
@@ -371,7 +390,7 @@ def _row(m: Measured) -> Row:
         EACH_TARGET,
         spread=m.spread,
         wall_ratio=m.wall,
-        detail=detail + "; bit-identical",
+        detail=detail + "; bit-identical" + ("; the same compiled program as JAX's" if m.same_program else ""),
     )
 
 
