@@ -41,6 +41,7 @@ GROUPS: dict[str, tuple[str, str]] = {
     "bounds": ("bounds", "4b. bounds check: PALLAS_GUARD_CHECKS=bounds vs the plain interpreter"),
     "first_call": ("first_call", "4c. first call (build, trace, verify, compile, run), guard vs best forced"),
     "lowering": ("lowering", "4d. lowering check: first call and steady, with the check vs without"),
+    "interpreted": ("interpreted", "4e. interpreted-kernel speed: the guard vs JAX's interpreter as it ships, 1x-16x"),
     "steady": ("steady", "5. steady: jitted fn with a guarded kernel vs interpret=True"),
 }
 

@@ -244,9 +244,13 @@ class Run:
     def _plain_traced(self, name: str, jitted: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         """Under an outer trace, plain verified without a lowering of its own: the outer lowering
         lowers the kernel anyway, replaying the interpreter traced here (``PlainTraces``). False
-        where that cannot tell: the trial then lowers for real."""
-        if name != "plain" or self.eager or self.candidates.checked:
-            return False  # a checked plain interpreter lowers its own way: a real trial
+        where that cannot tell: the trial then lowers for real. Under the bounds check too: the
+        checked interpretation is the unchecked one with index checks (which lower for the CPU),
+        and the net falls back to the unchecked one where the check cannot be made, so plain
+        lowers with the check iff it lowers without; the check's own lowering, the costly one, is
+        left to the outer lowering, made once."""
+        if name != "plain" or self.eager:
+            return False
         primitive = _internals.pallas_call_primitive()
         trace = getattr(jitted, "trace", None)
         if primitive is None or trace is None:

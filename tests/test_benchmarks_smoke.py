@@ -73,4 +73,5 @@ def test_run_rejects_an_unknown_row() -> None:
     )
     assert completed.returncode == 2
     assert "'nope'" in completed.stderr
-    assert "startup, pallas_import, trace, kernels, bounds, first_call, steady" in completed.stderr
+    rows = "startup, pallas_import, trace, kernels, bounds, first_call, lowering, interpreted, steady"
+    assert rows in completed.stderr

@@ -395,6 +395,29 @@ def test_a_verified_kernel_under_jit_traces_the_plain_interpreter_once(
     assert interpreter_traces == [(8, 128)]  # the trial's trace, replayed by the outer lowering
 
 
+def test_a_verified_kernel_under_jit_is_lowered_with_the_bounds_check_once(
+    guard: Callable[..., None], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The trial verifies the unchecked interpreter's trace; the check's own lowering, the costly
+    one, is made once, by the outer lowering, and the checked kernel still runs checked."""
+    from pallas_guard import _bounds
+
+    checked_lowerings = []
+    original = _bounds.lower
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        checked_lowerings.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(_bounds, "lower", counted)
+    guard("interpret", checks="bounds")
+    x = jnp.arange(8 * 128, dtype=jnp.float32).reshape(8, 128)
+    np.testing.assert_array_equal(jax.jit(functools.partial(_dma_scaled, 2.0))(x), x * 2)
+    (decision,) = pallas_guard.decisions()
+    assert (decision.interpreter, decision.layer, decision.tried) == ("plain", "lowering", ("plain: ok",))
+    assert len(checked_lowerings) == 1
+
+
 def test_kept_interpreter_traces_serve_only_their_own_kernel_and_shapes(
     guard: Callable[..., None], interpreter_traces: list[tuple[int, ...]]
 ) -> None:
