@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 
 from pallas_guard_autoload import DEVICES
 
-from . import _device, _diagnostics
+from . import _device, _diagnostics, _internals
 
 DEFAULT_DEVICES = {"mosaic_tpu": "tpu-v5e", "triton": "h100", "mosaic_gpu": "h100"}
 """The device a kernel family is lowered for when no device is set."""
@@ -96,7 +96,7 @@ def lowering_api() -> str | None:
         takes = lower is not None and "lowering_platforms" in inspect.signature(lower).parameters
     except (TypeError, ValueError):
         takes = False
-    return None if takes else f"jax {jax.__version__} cannot lower a traced function for a chosen platform"
+    return None if takes else f"jax {_internals.jax_version()} cannot lower a traced function for a chosen platform"
 
 
 def check(build: Callable[[], Any], args: tuple[Any, ...], kwargs: dict[str, Any], target: Target) -> Outcome:
