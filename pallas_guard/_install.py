@@ -84,6 +84,9 @@ class Installation:
         with self.lock:
             self.requested = False
             self._undo_locked()
+        # Nothing outlives the guard: a later install() starts from the environment again, not
+        # from what an earlier install() pinned.
+        _settings.reset()
 
     def status(self) -> Status:
         with self.lock:

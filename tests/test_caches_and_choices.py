@@ -403,3 +403,14 @@ def test_uninstall_leaves_nothing_behind() -> None:
     done = run_python(LEAVES_NOTHING)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split("\n")[:3] == ["restored True", "no filters True", "same bits True"], done.stdout
+
+
+def test_uninstall_forgets_what_install_pinned() -> None:
+    """A later install() starts from the environment, not from an earlier install()'s settings."""
+    from pallas_guard import _settings
+
+    pallas_guard.install("warn", checks="bounds,agree", device="h100")
+    pallas_guard.uninstall()
+    pallas_guard.install("interpret")
+    assert _settings.current("checks").value == frozenset()
+    assert _settings.current("device").value == "none"

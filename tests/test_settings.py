@@ -15,6 +15,7 @@ from pallas_guard_autoload import (
     CHECKS_ENV,
     DETECT_RACES_ENV,
     DEVICE_ENV,
+    FAST_PLAIN_ENV,
     INTERPRETER_ENV,
     MAX_STEPS_ENV,
     OPTIONS,
@@ -40,6 +41,7 @@ def test_options_declare_each_setting_once() -> None:
         "policy": (POLICY_ENV, "policy", "warn"),
         "interpreter": (INTERPRETER_ENV, "interpreter", "auto"),
         "checks": (CHECKS_ENV, "set of checks", frozenset()),
+        "fast_plain": (FAST_PLAIN_ENV, "boolean", True),
         "device": (DEVICE_ENV, "device", "none"),
         "max_steps": (MAX_STEPS_ENV, "step budget", None),
     }
