@@ -66,7 +66,8 @@ def policy(
 ) -> _settings.AbstractContextManager[None]:
     """Override settings inside a ``with`` block; thread- and task-local.
 
-    ``checks``: ``"races"``, ``"bounds"`` (a comma list or an iterable), ``"all"`` or ``"none"``;
+    ``checks``: ``"races"``, ``"bounds"``, ``"agree"``, ``"lowering"`` (a comma list or an
+    iterable), ``"all"`` or ``"none"``; ``fast_plain``: False runs JAX's plain interpreter as it ships;
     ``max_steps``: the most grid steps an interpreted kernel may run; ``device``: the TPU/GPU host
     code is told it runs on (``"tpu-v5e"``, ``"h100"``, ... or ``"none"``). Bad values raise here,
     before the block. Settings apply where a kernel is called and lowered: a function jitted before

@@ -224,8 +224,8 @@ def install(
     device: str | None = None,
     fast_plain: bool | str | None = None,
 ) -> None:
-    """Install the guard (idempotent). Settings not given keep a value set earlier through the API,
-    else come from the ``PALLAS_GUARD_*`` variables.
+    """Install the guard (idempotent). Settings not given keep a value set earlier through the API
+    (until ``uninstall()``, which forgets them), else come from the ``PALLAS_GUARD_*`` variables.
 
     Raises ``PallasGuardConfigError`` (a ``ValueError``) for a bad variable or argument value and
     ``TypeError`` for an argument of the wrong type, before changing anything.
