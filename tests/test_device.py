@@ -5,6 +5,7 @@ changes, and a mesh of the user's own always wins."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
