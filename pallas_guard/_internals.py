@@ -605,6 +605,10 @@ WRITE_BACK = "_dynamic_update_slice"
 name, once per block operand in the order of the grid mapping's block mappings)."""
 
 
+GRID_LOOPS = "loops"
+"""The module through which the plain interpreter calls its grid loop (``loops.while_loop``)."""
+
+
 def written_blocks(params: Mapping[str, Any]) -> frozenset[int] | None:
     """The positions, among the block operands of a ``pallas_call`` (the grid mapping's block
     mappings), of those whose ref the kernel writes: what the kernel jaxpr's write and accumulate

@@ -9,8 +9,9 @@ ref) gives back the carried operand unchanged. That write would have put back th
 read from the same carried array at the same start, so the values are the same; and each skipped
 operand is presented to XLA as JAX's loop presents it (loop-invariant where its block never moves,
 loop-variant behind an optimization barrier where it does), so that XLA compiles the kernel's own
-arithmetic as it does in JAX's loop and the result is the same bit for bit; aliased
-pairs are synchronised after the write-backs, as before. The write-back wrapper acts only inside
+arithmetic as it does in JAX's loop and the result is the same bit for bit. An aliased
+input/output pair that JAX's loop keeps in step by assigning one carried array to the other (a
+whole copy per step) is carried once (:class:`_SharingLoops`). Both wrappers act only inside
 :func:`linear`; elsewhere, and with the ``fast_plain`` setting off, JAX's interpreter runs as it
 ships.
 """
@@ -37,6 +38,8 @@ class _Skipping:
     written: frozenset[int]
     still: frozenset[int]
     """The block operands whose block index is the same at every grid step."""
+    aliased: tuple[tuple[int, int], ...]
+    """Each aliased pair as (input, output) positions among the block operands."""
     calls: Iterator[int] = dataclasses.field(default_factory=itertools.count)
 
 
@@ -59,8 +62,8 @@ def enabled() -> bool:
 
 
 def hook(hooks: list[Any]) -> None:
-    """Wrap the interpreter's write-back once (the wrapper is idle outside :func:`linear`); the
-    entry added to ``hooks`` puts it back."""
+    """Wrap the interpreter's write-back and its grid loop once (the wrappers are idle outside
+    :func:`linear`); the entries added to ``hooks`` put them back."""
     with _hooking:
         module = _internals.hlo_interpreter_module()
         write_back = getattr(module, _internals.WRITE_BACK, None)
@@ -69,6 +72,11 @@ def hook(hooks: list[Any]) -> None:
         wrapper = _skipping_write_back(write_back)
         setattr(module, _internals.WRITE_BACK, wrapper)
         hooks.append(Patch(module, _internals.WRITE_BACK, write_back, wrapper))
+        loops = getattr(module, _internals.GRID_LOOPS, None)
+        if callable(getattr(loops, "while_loop", None)) and not _is_ours(loops):
+            view = _SharingLoops(loops)
+            setattr(module, _internals.GRID_LOOPS, view)
+            hooks.append(Patch(module, _internals.GRID_LOOPS, loops, view))
 
 
 def _is_ours(function: Any) -> bool:
@@ -97,6 +105,60 @@ def _skipping_write_back(write_back: Callable[..., Any]) -> Callable[..., Any]:
     return pallas_guard_write_back
 
 
+class _NotShared(Exception):
+    """The traced grid step left an aliased pair's operands apart: the loop is traced again as JAX
+    wrote it."""
+
+
+class _SharingLoops:
+    """The plain interpreter's view of JAX's loops module, whose grid loop carries each aliased pair
+    once. Where JAX keeps an aliased input and output in step (each grid step assigns one carried
+    array to the other, so that both see every write), the loop carries the same array in two places
+    and XLA copies it whole at every step. Inside :func:`linear`, where the two start as one array
+    and every traced step leaves them as one, the loop carries it once and hands it to the step in
+    both places: the same values, without the copy. Anything else runs JAX's loop as it is."""
+
+    pallas_guard_plain = True
+
+    def __init__(self, loops: Any) -> None:
+        self._loops = loops
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loops, name)
+
+    def while_loop(self, cond_fun: Callable[..., Any], body_fun: Callable[..., Any], init_val: Any) -> Any:
+        skipping = _skipping.get()
+        carried = list(init_val) if isinstance(init_val, tuple) else []
+        # The interpreter's grid carry: (step, grid indices, *block operands, *scratch).
+        shared = {
+            2 + into: 2 + out
+            for into, out in (skipping.aliased if skipping is not None else ())
+            if 2 + out < len(carried) and carried[2 + into] is carried[2 + out]
+        }
+        if not shared:
+            return self._loops.while_loop(cond_fun, body_fun, init_val)
+        kept = [position for position in range(len(carried)) if position not in shared]
+
+        def widen(narrow: Any) -> tuple[Any, ...]:
+            full = dict(zip(kept, narrow, strict=True))
+            full.update({into: full[out] for into, out in shared.items()})
+            return tuple(full[position] for position in range(len(carried)))
+
+        def step(narrow: Any) -> tuple[Any, ...]:
+            stepped = body_fun(widen(narrow))
+            if any(stepped[into] is not stepped[out] for into, out in shared.items()):
+                raise _NotShared
+            return tuple(stepped[position] for position in kept)
+
+        try:
+            narrow = self._loops.while_loop(
+                lambda narrow: cond_fun(widen(narrow)), step, tuple(carried[position] for position in kept)
+            )
+        except _NotShared:
+            return self._loops.while_loop(cond_fun, body_fun, init_val)
+        return widen(narrow)
+
+
 @contextlib.contextmanager
 def linear(params: Mapping[str, Any]) -> Iterator[None]:
     """Inside: JAX's plain interpreter, traced for the ``pallas_call`` with ``params``, leaves the
@@ -106,8 +168,9 @@ def linear(params: Mapping[str, Any]) -> Iterator[None]:
     if enabled() and _is_ours(getattr(_internals.hlo_interpreter_module(), _internals.WRITE_BACK, None)):
         written = _internals.written_blocks(params)
         blocks = len(getattr(params.get("grid_mapping"), "block_mappings", None) or ())
-        if written is not None and blocks and len(written) < blocks:
-            state = _Skipping(blocks, written, _still_blocks(params))
+        aliased = _aliased_blocks(params, blocks)
+        if written is not None and blocks and (len(written) < blocks or aliased):
+            state = _Skipping(blocks, written, _still_blocks(params), aliased)
     token = _skipping.set(state)
     try:
         yield
@@ -125,6 +188,18 @@ def interpreting(rule: Callable[..., Any]) -> Callable[..., Any]:
             return rule(ctx, *in_nodes, **params)
 
     return interpret_plain
+
+
+def _aliased_blocks(params: Mapping[str, Any], blocks: int) -> tuple[tuple[int, int], ...]:
+    """The aliased pairs as (input, output) positions among the block operands: an input counts
+    the operands after the scalar prefetch, an output those after the inputs."""
+    mapping = params.get("grid_mapping")
+    first = getattr(mapping, "num_index_operands", None)
+    outputs = getattr(mapping, "num_outputs", None)
+    if not isinstance(first, int) or not isinstance(outputs, int):
+        return ()
+    pairs = tuple(params.get("input_output_aliases") or ())
+    return tuple((into - first, blocks - outputs + out) for into, out in pairs if 0 <= into - first < blocks - outputs)
 
 
 def _still_blocks(params: Mapping[str, Any]) -> frozenset[int]:
