@@ -44,6 +44,8 @@ class _Checking:
     step: list[Any] = dataclasses.field(default_factory=list)
     """The program ids of the grid step whose blocks are being copied (set as the interpreter
     computes where they start)."""
+    discharging: list[int] = dataclasses.field(default_factory=lambda: [0])
+    """How many jaxprs are being discharged, one inside the other: 1 at the kernel's top level."""
 
 
 _MARK_KEY = "pallas_guard"
@@ -102,6 +104,12 @@ def hook(hooks: list[Any]) -> None:
             step_wrapper = _recording_step(start)
             setattr(mapping, _internals.BLOCK_START, step_wrapper)
             hooks.append(Patch(mapping, _internals.BLOCK_START, start, step_wrapper))
+        discharge = _internals.state_discharge_module()
+        evaluator = getattr(discharge, _internals.DISCHARGE_EVALUATOR, None)
+        if discharge is not None and callable(evaluator) and not _is_ours(evaluator):
+            counting = _counting_levels(evaluator)
+            setattr(discharge, _internals.DISCHARGE_EVALUATOR, counting)
+            hooks.append(Patch(discharge, _internals.DISCHARGE_EVALUATOR, evaluator, counting))
         module = _internals.hlo_interpreter_module()
         copy = getattr(module, _internals.BLOCK_COPY, None)
         if module is not None and callable(copy) and not _is_ours(copy):
@@ -144,6 +152,21 @@ def _checking_rule(rule: Callable[..., Any], access: _internals.RefAccess, leadi
 
     pallas_guard_checked_discharge.pallas_guard_checking = True  # type: ignore[attr-defined]
     return pallas_guard_checked_discharge
+
+
+def _counting_levels(evaluate: Callable[..., Any]) -> Callable[..., Any]:
+    def pallas_guard_discharge_level(*args: Any, **kwargs: Any) -> Any:
+        checking = _checking.get()
+        if checking is None:
+            return evaluate(*args, **kwargs)
+        checking.discharging[0] += 1
+        try:
+            return evaluate(*args, **kwargs)
+        finally:
+            checking.discharging[0] -= 1
+
+    pallas_guard_discharge_level.pallas_guard_checking = True  # type: ignore[attr-defined]
+    return pallas_guard_discharge_level
 
 
 def _recording_step(start: Callable[..., Any]) -> Callable[..., Any]:
@@ -203,8 +226,14 @@ def lower(
         token = _checking.set(state)
         try:
             error, out = checkify.checkify(interpret, errors=checkify.user_checks)(*args)
+        except Exception:
+            # A discharge cut short can leave a checked entry in JAX's discharge cache under a
+            # jaxpr the kernel shares, where the unchecked lowering that follows would read it.
+            _internals.forget_discharges()
+            raise
         finally:
             _checking.reset(token)
+            state.step.clear()  # tracers of this trace, which ends here
         raise_finding = functools.partial(_raise_finding, kernel=kernel, call_site=call_site)
         # Only a failed check calls back to the host (a call per kernel call would cost more than a
         # small kernel). Unordered: no effect token, which a lowering rule has no place for.
@@ -269,8 +298,11 @@ def _check_access(
         operands = tuple(jax.tree_util.tree_unflatten(tree, flat))
     mask = operands[access.mask_at] if access.mask_at is not None and len(operands) > access.mask_at else None
     site = _site()
-    # Bound here, in the discharged kernel, they are the program ids of whichever step evaluates it.
-    step = _internals.program_ids(checking.grid_mapping)
+    # Bound here, in the discharged kernel, they are the program ids of whichever step evaluates it
+    # (bound only for an access that gets a check). Only at the kernel's top level: inside a loop,
+    # branch or scope body, JAX's plain interpreter cannot evaluate a program id (it lowers none).
+    top_level = checking.discharging[0] == 1
+    step = functools.partial(_internals.program_ids, checking.grid_mapping) if top_level else _no_step
     for role, ref, transforms in _indexed(operands):
         if access.kind == "copy":  # a DMA: source, destination, then semaphores
             kind = ("DMA read", "DMA write")[role] if role < 2 else "semaphore access"
@@ -308,9 +340,7 @@ def _escape(text: str) -> str:
     return text.replace("{", "{{").replace("}", "}}")
 
 
-def _check_indexed(
-    kind: str, ref: Any, transforms: tuple[Any, ...], mask: Any, site: str, *, step: list[Any] | None
-) -> None:
+def _check_indexed(kind: str, ref: Any, transforms: tuple[Any, ...], mask: Any, site: str, *, step: _Step) -> None:
     """Check one access through ``transforms``: composed into element ranges of the buffer where
     they are slices and integers (a view may overhang where the elements read do not), one
     indexer at a time otherwise."""
@@ -334,6 +364,14 @@ def _check_indexed(
         # A masked gather-style access: which elements the mask covers is not followed; unchecked.
 
 
+_Step = Callable[[], list[Any] | None]
+"""Gives the program ids of the grid step making an access (None where they cannot be told)."""
+
+
+def _no_step() -> None:
+    return None
+
+
 # A base dimension: (offset, stride, size) where a range of it is accessed (size None: an integer
 # index, the dimension dropped).
 _Range = tuple[Any, int, int | None]
@@ -354,34 +392,83 @@ def _compose(indexers: Sequence[Any]) -> list[_Range] | None:
                 size, step = index.size, getattr(index, "stride", 1)
                 if not isinstance(size, int) or not isinstance(step, int):
                     return None
-                ranges[dim] = (offset + stride * _as_index(index.start), stride * step, size)
+                ranges[dim] = (_plus(offset, _times(_as_index(index.start), stride)), stride * step, size)
             elif getattr(index, "shape", ()) == ():
-                ranges[dim] = (offset + stride * _as_index(index), stride, None)
+                ranges[dim] = (_plus(offset, _times(_as_index(index), stride)), stride, None)
             else:
                 return None
     return ranges
 
 
-def _as_index(value: Any) -> Any:
-    import jax.numpy as jnp
+# Index arithmetic, in lax (a jnp operator on a tracer is a jitted call of its own, which a kernel
+# with many accesses pays for hundreds of times at its first lowering). An index known while
+# tracing stays a Python int, and a condition it decides a Python bool: an access proven inside its
+# buffer gets no check at all.
+_Index = Any  # int, or an int32 scalar being traced
+_Condition = Any  # bool, or a bool scalar being traced
 
-    return value if isinstance(value, int) else jnp.asarray(value).astype(jnp.int32)
+
+def _as_index(value: Any) -> _Index:
+    import numpy as np
+    from jax import lax
+
+    if isinstance(value, int | np.integer) and not isinstance(value, bool):
+        return int(value)
+    return lax.convert_element_type(value, np.int32)
+
+
+def _traced(value: _Index) -> Any:
+    import numpy as np
+
+    return np.int32(value) if isinstance(value, int) else value
+
+
+def _plus(a: _Index, b: _Index) -> _Index:
+    from jax import lax
+
+    return a + b if isinstance(a, int) and isinstance(b, int) else lax.add(_traced(a), _traced(b))
+
+
+def _times(a: _Index, b: int) -> _Index:
+    from jax import lax
+
+    return a * b if isinstance(a, int) else (a if b == 1 else lax.mul(a, _traced(b)))
+
+
+def _below(a: _Index, b: _Index) -> _Condition:
+    from jax import lax
+
+    return a < b if isinstance(a, int) and isinstance(b, int) else lax.lt(_traced(a), _traced(b))
+
+
+def _inside(first: _Index, last: _Index, n: int) -> _Condition:
+    """``0 <= first`` and ``last < n``."""
+    return _both(_below(-1, first), _below(last, n))
+
+
+def _both(a: _Condition, b: _Condition) -> _Condition:
+    from jax import lax
+
+    if a is True or b is False:
+        return b
+    if b is True or a is False:
+        return a
+    return lax.bitwise_and(a, b)
 
 
 def _check_ranges(
-    kind: str, ranges: list[_Range], shape: tuple[int, ...], *, dtype: str, mask: Any, site: str, step: list[Any] | None
+    kind: str, ranges: list[_Range], shape: tuple[int, ...], *, dtype: str, mask: Any, site: str, step: _Step
 ) -> None:
-    import jax.numpy as jnp
+    from jax import lax
 
-    first = [jnp.asarray(offset, jnp.int32) for offset, _, _ in ranges]
-    last = [first[d] + stride * (size - 1) if size else first[d] for d, (_, stride, size) in enumerate(ranges)]
-    if mask is None:
-        inside = [
-            (f >= 0) & (la < n) for f, la, (_, _, size), n in zip(first, last, ranges, shape, strict=True) if size != 0
-        ]
-        ok = functools.reduce(jnp.logical_and, inside, jnp.bool_(True))
-    else:
-        ok = ~_unmasked_outside(ranges, shape, first, mask)
+    first = [_as_index(offset) for offset, _, _ in ranges]
+    last = [_plus(first[d], stride * (size - 1)) if size else first[d] for d, (_, stride, size) in enumerate(ranges)]
+    inside = [_inside(f, la, n) for f, la, (_, _, size), n in zip(first, last, ranges, shape, strict=True) if size != 0]
+    ok: _Condition = functools.reduce(_both, inside, True)
+    if ok is True:
+        return  # proven inside while tracing: every element, masked or not
+    if mask is not None:
+        ok = lax.bitwise_not(_unmasked_outside(ranges, shape, first, mask))
     shown, values = [], []
     for d, (_, stride, size) in enumerate(ranges):
         if size is None:
@@ -389,7 +476,7 @@ def _check_ranges(
             values.append(first[d])
         else:
             shown.append("{}:{}" + (f":{stride}" if stride != 1 else ""))
-            values += [first[d], first[d] + stride * size]
+            values += [first[d], _plus(first[d], stride * size)]
     masked = " (unmasked elements)" if mask is not None else ""
     message = f"{kind} [{', '.join(shown)}]{masked} of a {_escape(dtype)}{list(shape)} buffer {_escape(site)}".replace(
         "[]", "[()]"
@@ -406,16 +493,16 @@ def _unmasked_outside(ranges: list[_Range], shape: tuple[int, ...], first: list[
     outside = jnp.zeros(out_shape, jnp.bool_)
     for d, (_, stride, size) in enumerate(ranges):
         if size is None:
-            outside = outside | (first[d] < 0) | (first[d] >= shape[d])
+            outside = outside | (_traced(first[d]) < 0) | (_traced(first[d]) >= shape[d])
             continue
         axis = next(i for i, (dim, _) in enumerate(kept) if dim == d)
-        position = first[d] + stride * jnp.arange(size, dtype=jnp.int32)
+        position = _traced(first[d]) + stride * jnp.arange(size, dtype=jnp.int32)
         bad = (position < 0) | (position >= shape[d])
         outside = outside | bad.reshape(tuple(size if i == axis else 1 for i in range(len(out_shape))))
     return jnp.any(outside & jnp.broadcast_to(jnp.asarray(mask, jnp.bool_), out_shape))
 
 
-def _check_gather(kind: str, indexer: Any, dtype: str, site: str, step: list[Any] | None) -> None:
+def _check_gather(kind: str, indexer: Any, dtype: str, site: str, step: _Step) -> None:
     """An indexer with index arrays (a gather or scatter): every index inside its dimension."""
     import jax.numpy as jnp
 
@@ -445,17 +532,15 @@ def _check_block(checking: _Checking, start: Any, block: tuple[int, ...], value:
     """A block copied in at a grid step lies inside its (padded) array: the check that the index
     map's block index is in range (a ragged last block is padded, never a finding). The copy back
     out uses the same start: checked here once."""
-    import jax.numpy as jnp
-
-    starts = [jnp.asarray(s, jnp.int32) for s in start]
+    starts = [_as_index(s) for s in start]
     shape = tuple(value.shape)
     ok = functools.reduce(
-        jnp.logical_and,
-        [(s >= 0) & (s + b <= n) for s, b, n in zip(starts, block, shape, strict=True)],
-        jnp.bool_(True),
+        _both, [_inside(s, _plus(s, b - 1), n) for s, b, n in zip(starts, block, shape, strict=True)], True
     )
     # The interpreter copies every block operand in order at each step: the count names this one.
     position = next(checking.copies)
+    if ok is True:
+        return  # a block index known while tracing, inside its array
     name, array, index_map = "an operand", shape, None
     if checking.blocks:
         known_block, array, origin, index_map = checking.blocks[position % len(checking.blocks)]
@@ -469,19 +554,25 @@ def _check_block(checking: _Checking, start: Any, block: tuple[int, ...], value:
         f"{list(block)} at element offset [{', '.join('{}' for _ in starts)}] lies outside the array ({its_map} "
         "points past the array's last block)"
     )
-    _check(ok, message, starts, list(checking.step) or None)
+    _check(ok, message, starts, lambda: list(checking.step) or None)
 
 
 def _padded(shape: tuple[int, ...], block: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(-(-n // b) * b if b else n for n, b in zip(shape, block, strict=False))
 
 
-def _check(ok: Any, message: str, values: list[Any], step: list[Any] | None) -> None:
-    """One check; ``step`` (the program ids, none for a grid of no axes) says at which grid step."""
-    import jax.numpy as jnp
+def _check(ok: _Condition, message: str, values: list[Any], step: _Step) -> None:
+    """One check; ``step`` (gives the program ids, none for a grid of no axes) says at which grid
+    step."""
+    import numpy as np
+    from jax import lax
     from jax.experimental import checkify
 
-    if step:
-        message += f", at grid step ({', '.join('{}' for _ in step)}{',' if len(step) == 1 else ''})"
-        values = [*values, *step]
-    checkify.check(jnp.asarray(ok, jnp.bool_), message, *[jnp.asarray(v, jnp.int32) for v in values])
+    if ok is True:
+        return
+    program_ids = step()
+    if program_ids:
+        message += f", at grid step ({', '.join('{}' for _ in program_ids)}{',' if len(program_ids) == 1 else ''})"
+        values = [*values, *program_ids]
+    pred = lax.convert_element_type(ok, np.bool_)  # a bool scalar, also where it is known (False)
+    checkify.check(pred, message, *[np.asarray(v, np.int32) if isinstance(v, int) else _as_index(v) for v in values])

@@ -488,6 +488,22 @@ class DischargeRegistry(NamedTuple):
     leading: int
 
 
+def state_discharge_module() -> types.ModuleType | None:
+    return import_optional(_STATE_DISCHARGE)
+
+
+def forget_discharges() -> None:
+    """Empty JAX's cache of state discharges (kept per jaxpr object)."""
+    clear = getattr(getattr(state_discharge_module(), "_discharge_state", None), "cache_clear", None)
+    if callable(clear):
+        clear()
+
+
+DISCHARGE_EVALUATOR = "_eval_jaxpr_discharge_state"
+"""The function that discharges one jaxpr, calling each equation's discharge rule; a rule of a
+loop, branch or scope discharges its body through it again (a module function looked up by name)."""
+
+
 def discharge_registries() -> list[DischargeRegistry]:
     module = import_optional(_STATE_DISCHARGE)
     if module is None:

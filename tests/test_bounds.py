@@ -97,6 +97,44 @@ def test_an_out_of_bounds_write_is_found(jit: bool) -> None:
     assert "write [20:28] of a float32[24] buffer" in text
 
 
+def write_when(x_ref, o_ref):  # type: ignore[no-untyped-def]
+    o_ref[...] = jnp.zeros_like(o_ref)
+
+    @pl.when(x_ref[0] > 0)
+    def _() -> None:
+        o_ref[pl.ds(x_ref[1].astype(jnp.int32), 2)] = x_ref[pl.ds(0, 2)]  # WHEN-WRITE
+
+
+def looped_read(x_ref, o_ref):  # type: ignore[no-untyped-def]
+    def body(c, acc):  # type: ignore[no-untyped-def]
+        return jax.lax.cond(c == x_ref[0].astype(jnp.int32), lambda: acc + x_ref[pl.ds(c * 4, 8)], lambda: acc)
+
+    o_ref[...] = jax.lax.fori_loop(0, 3, body, jnp.zeros((8,), jnp.float32))
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_accesses_inside_branches_and_loops_are_checked(jit: bool) -> None:
+    """An access inside ``pl.when`` or a loop's branch is checked like one at the top (the grid
+    step is not named there: JAX's interpreter cannot evaluate a program id inside such a body)."""
+
+    def call(kernel: Any, x: jax.Array) -> Callable[[], Any]:
+        spec = pl.BlockSpec((8,), lambda i: (i,))
+        return lambda: pl.pallas_call(
+            kernel, out_shape=jax.ShapeDtypeStruct((16,), jnp.float32), grid=(2,), in_specs=[spec], out_specs=spec
+        )(x)
+
+    inside, past = jnp.array([1.0, 6.0] + [0.0] * 14), jnp.array([1.0, 7.0] + [0.0] * 14)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "runs unchecked" warning
+        _same_as_unchecked(call(write_when, inside))
+        _same_as_unchecked(call(looped_read, jnp.zeros(16)))
+    text = _finding(call(write_when, past), jit=jit)
+    assert "write [7:9] of a float32[8] buffer" in text
+    assert f"test_bounds.py:{line_of('WHEN-WRITE')}" in text
+    text = _finding(call(looped_read, jnp.full(16, 2.0)), jit=jit)  # c == 2 reads [8:16)
+    assert "read [8:16] of a float32[8] buffer" in text
+
+
 def copy_kernel(x_ref, o_ref):  # type: ignore[no-untyped-def]
     o_ref[...] = x_ref[...]
 
@@ -367,11 +405,16 @@ def test_uninstall_puts_back_every_function_the_check_wrapped() -> None:
     from jax._src.state import discharge, primitives
 
     pallas_guard.uninstall()
-    before = (dict(discharge._discharge_rules), hlo_interpreter._dynamic_slice)
+    before = (dict(discharge._discharge_rules), hlo_interpreter._dynamic_slice, discharge._eval_jaxpr_discharge_state)
     pallas_guard.install("interpret", checks="bounds")
     jax.block_until_ready(_generic(shifted_read, 2)())
     assert discharge._discharge_rules[primitives.get_p] is not before[0][primitives.get_p]
     assert hlo_interpreter._dynamic_slice is not before[1]
+    assert discharge._eval_jaxpr_discharge_state is not before[2]
     pallas_guard.uninstall()
-    assert (dict(discharge._discharge_rules), hlo_interpreter._dynamic_slice) == before
+    assert (
+        dict(discharge._discharge_rules),
+        hlo_interpreter._dynamic_slice,
+        discharge._eval_jaxpr_discharge_state,
+    ) == before
     assert not logging.getLogger("jax._src.callback").filters
