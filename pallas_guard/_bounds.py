@@ -29,7 +29,7 @@ from typing import Any
 from . import _diagnostics, _internals
 from ._diagnostics import CallSite, KernelInfo
 from ._errors import PallasGuardError
-from ._patch import Patch
+from ._patch import wrap
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,24 +98,11 @@ def hook(hooks: list[Any]) -> None:
                     wrapper = _checking_rule(rule, access, registry.leading)
                     registry.rules[access.primitive] = wrapper
                     hooks.append(TableEntry(registry.rules, access.primitive, rule, wrapper))
-        mapping = _internals.block_mapping_class()
-        start = vars(mapping).get(_internals.BLOCK_START) if mapping is not None else None
-        if mapping is not None and callable(start) and not _is_ours(start):
-            step_wrapper = _recording_step(start)
-            setattr(mapping, _internals.BLOCK_START, step_wrapper)
-            hooks.append(Patch(mapping, _internals.BLOCK_START, start, step_wrapper))
+        wrap(_internals.block_mapping_class(), _internals.BLOCK_START, _recording_step, hooks, is_ours=_is_ours)
         discharge = _internals.state_discharge_module()
-        evaluator = getattr(discharge, _internals.DISCHARGE_EVALUATOR, None)
-        if discharge is not None and callable(evaluator) and not _is_ours(evaluator):
-            counting = _counting_levels(evaluator)
-            setattr(discharge, _internals.DISCHARGE_EVALUATOR, counting)
-            hooks.append(Patch(discharge, _internals.DISCHARGE_EVALUATOR, evaluator, counting))
+        wrap(discharge, _internals.DISCHARGE_EVALUATOR, _counting_levels, hooks, is_ours=_is_ours)
         module = _internals.hlo_interpreter_module()
-        copy = getattr(module, _internals.BLOCK_COPY, None)
-        if module is not None and callable(copy) and not _is_ours(copy):
-            wrapper = _checking_block_copy(copy)
-            setattr(module, _internals.BLOCK_COPY, wrapper)
-            hooks.append(Patch(module, _internals.BLOCK_COPY, copy, wrapper))
+        wrap(module, _internals.BLOCK_COPY, _checking_block_copy, hooks, is_ours=_is_ours)
         if not any(isinstance(f, _QuietFindings) for f in logging.getLogger(_CALLBACK_LOGGER).filters):
             hooks.append(_QuietFindings())
 

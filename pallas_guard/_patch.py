@@ -7,6 +7,7 @@ functions with it, without knowing the installation.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -20,3 +21,24 @@ class Patch:
     def restore(self) -> None:
         if vars(self.owner).get(self.attribute) is self.wrapper:  # leave a user's own replacement
             setattr(self.owner, self.attribute, self.original)
+
+
+def wrap(
+    owner: ModuleType | type | None,
+    attribute: str,
+    make_wrapper: Callable[[Any], Any],
+    hooks: list[Any],
+    *,
+    is_ours: Callable[[Any], bool],
+    usable: Callable[[Any], bool] = callable,
+) -> None:
+    """Replace ``owner.attribute`` (its own, not inherited) by ``make_wrapper(it)``, unless it is
+    missing, not ``usable`` (callable) or already ours; the entry added to ``hooks`` puts it back."""
+    if owner is None:
+        return
+    original = vars(owner).get(attribute)
+    if original is None or not usable(original) or is_ours(original):
+        return
+    wrapper = make_wrapper(original)
+    setattr(owner, attribute, wrapper)
+    hooks.append(Patch(owner, attribute, original, wrapper))

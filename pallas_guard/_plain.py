@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from . import _internals, _settings
-from ._patch import Patch
+from ._patch import wrap
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,17 +66,12 @@ def hook(hooks: list[Any]) -> None:
     :func:`linear`); the entries added to ``hooks`` put them back."""
     with _hooking:
         module = _internals.hlo_interpreter_module()
-        write_back = getattr(module, _internals.WRITE_BACK, None)
-        if module is None or not callable(write_back) or _is_ours(write_back):
-            return
-        wrapper = _skipping_write_back(write_back)
-        setattr(module, _internals.WRITE_BACK, wrapper)
-        hooks.append(Patch(module, _internals.WRITE_BACK, write_back, wrapper))
-        loops = getattr(module, _internals.GRID_LOOPS, None)
-        if callable(getattr(loops, "while_loop", None)) and not _is_ours(loops):
-            view = _SharingLoops(loops)
-            setattr(module, _internals.GRID_LOOPS, view)
-            hooks.append(Patch(module, _internals.GRID_LOOPS, loops, view))
+        wrap(module, _internals.WRITE_BACK, _skipping_write_back, hooks, is_ours=_is_ours)
+        wrap(module, _internals.GRID_LOOPS, _SharingLoops, hooks, is_ours=_is_ours, usable=_has_grid_loop)
+
+
+def _has_grid_loop(loops: Any) -> bool:
+    return callable(getattr(loops, "while_loop", None))
 
 
 def _is_ours(function: Any) -> bool:
