@@ -22,6 +22,7 @@ import itertools
 import linecache
 import logging
 import os
+import string
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -548,6 +549,13 @@ def _padded(shape: tuple[int, ...], block: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(-(-n // b) * b if b else n for n, b in zip(shape, block, strict=False))
 
 
+_PAYLOAD = 16
+"""How many values a finding shows at most (indices, ranges, program ids). Every check reports them
+in one int32 vector of this length: ``checkify`` keeps an error slot per payload shape, carried
+through every loop of the kernel and merged at every step, so one shape keeps its pass and the
+compiled program small."""
+
+
 def _check(ok: _Condition, message: str, values: list[Any], step: _Step) -> None:
     """One check; ``step`` (gives the program ids, none for a grid of no axes) says at which grid
     step."""
@@ -562,4 +570,25 @@ def _check(ok: _Condition, message: str, values: list[Any], step: _Step) -> None
         message += f", at grid step ({', '.join('{}' for _ in program_ids)}{',' if len(program_ids) == 1 else ''})"
         values = [*values, *program_ids]
     pred = lax.convert_element_type(ok, np.bool_)  # a bool scalar, also where it is known (False)
-    checkify.check(pred, message, *[np.asarray(v, np.int32) if isinstance(v, int) else _as_index(v) for v in values])
+    values = [np.asarray(v, np.int32) if isinstance(v, int) else _as_index(v) for v in values]
+    if len(values) > _PAYLOAD:
+        checkify.check(pred, message, *values)
+        return
+    # Built from scalars and broadcasts alone: an array constant would become a const of the
+    # discharged body, which JAX's discharge of a loop refuses.
+    parts = [lax.broadcast_in_dim(v, (1,), ()) for v in values]
+    if len(values) < _PAYLOAD:
+        parts.append(lax.full((_PAYLOAD - len(values),), 0, np.int32))
+    payload = lax.concatenate(parts, 0)
+    checkify.check(pred, _fields_of_one_vector(message), payload)
+
+
+def _fields_of_one_vector(message: str) -> str:
+    """``message`` with its ``{}`` fields numbered as elements of one argument: ``{0[0]}``, ..."""
+    parts, position = [], 0
+    for literal, field, _, _ in string.Formatter().parse(message):
+        parts.append(literal.replace("{", "{{").replace("}", "}}"))
+        if field is not None:
+            parts.append(f"{{0[{position}]}}")
+            position += 1
+    return "".join(parts)

@@ -112,6 +112,15 @@ def looped_read(x_ref, o_ref):  # type: ignore[no-untyped-def]
     o_ref[...] = jax.lax.fori_loop(0, 3, body, jnp.zeros((8,), jnp.float32))
 
 
+def while_read(x_ref, o_ref):  # type: ignore[no-untyped-def]
+    def body(carry):  # type: ignore[no-untyped-def]
+        i, acc = carry
+        return i + 1, acc + x_ref[pl.ds(i * 4, 8)]
+
+    steps = x_ref[0].astype(jnp.int32)
+    o_ref[...] = jax.lax.while_loop(lambda c: c[0] < steps, body, (0, jnp.zeros((8,), jnp.float32)))[1]
+
+
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 def test_accesses_inside_branches_and_loops_are_checked(jit: bool) -> None:
     """An access inside ``pl.when`` or a loop's branch is checked like one at the top (the grid
@@ -128,11 +137,14 @@ def test_accesses_inside_branches_and_loops_are_checked(jit: bool) -> None:
         warnings.simplefilter("error")  # no "runs unchecked" warning
         _same_as_unchecked(call(write_when, inside))
         _same_as_unchecked(call(looped_read, jnp.zeros(16)))
+        _same_as_unchecked(call(while_read, jnp.ones(16)))  # one trip: reads [0:8)
     text = _finding(call(write_when, past), jit=jit)
     assert "write [7:9] of a float32[8] buffer" in text
     assert f"test_bounds.py:{line_of('WHEN-WRITE')}" in text
     text = _finding(call(looped_read, jnp.full(16, 2.0)), jit=jit)  # c == 2 reads [8:16)
     assert "read [8:16] of a float32[8] buffer" in text
+    text = _finding(call(while_read, jnp.full(16, 2.0)), jit=jit)  # the second trip reads [4:12)
+    assert "read [4:12] of a float32[8] buffer" in text
 
 
 def copy_kernel(x_ref, o_ref):  # type: ignore[no-untyped-def]
