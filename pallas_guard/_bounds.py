@@ -550,10 +550,10 @@ def _padded(shape: tuple[int, ...], block: tuple[int, ...]) -> tuple[int, ...]:
 
 
 _PAYLOAD = 16
-"""How many values a finding shows at most (indices, ranges, program ids). Every check reports them
-in one int32 vector of this length: ``checkify`` keeps an error slot per payload shape, carried
-through every loop of the kernel and merged at every step, so one shape keeps its pass and the
-compiled program small."""
+"""How many values a finding shows (indices, ranges, program ids), at least: every check reports
+them in one int32 vector of this length (longer only for a finding with more). ``checkify`` keeps
+an error slot per payload shape, carried through every loop of the kernel and merged at every step,
+so one shape keeps its pass and the compiled program small."""
 
 
 def _check(ok: _Condition, message: str, values: list[Any], step: _Step) -> None:
@@ -570,17 +570,12 @@ def _check(ok: _Condition, message: str, values: list[Any], step: _Step) -> None
         message += f", at grid step ({', '.join('{}' for _ in program_ids)}{',' if len(program_ids) == 1 else ''})"
         values = [*values, *program_ids]
     pred = lax.convert_element_type(ok, np.bool_)  # a bool scalar, also where it is known (False)
-    values = [np.asarray(v, np.int32) if isinstance(v, int) else _as_index(v) for v in values]
-    if len(values) > _PAYLOAD:
-        checkify.check(pred, message, *values)
-        return
     # Built from scalars and broadcasts alone: an array constant would become a const of the
     # discharged body, which JAX's discharge of a loop refuses.
-    parts = [lax.broadcast_in_dim(v, (1,), ()) for v in values]
+    parts = [lax.broadcast_in_dim(np.int32(v) if isinstance(v, int) else _as_index(v), (1,), ()) for v in values]
     if len(values) < _PAYLOAD:
         parts.append(lax.full((_PAYLOAD - len(values),), 0, np.int32))
-    payload = lax.concatenate(parts, 0)
-    checkify.check(pred, _fields_of_one_vector(message), payload)
+    checkify.check(pred, _fields_of_one_vector(message), lax.concatenate(parts, 0))
 
 
 def _fields_of_one_vector(message: str) -> str:

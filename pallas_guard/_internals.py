@@ -505,7 +505,7 @@ loop, branch or scope discharges its body through it again (a module function lo
 
 
 def discharge_registries() -> list[DischargeRegistry]:
-    module = import_optional(_STATE_DISCHARGE)
+    module = state_discharge_module()
     if module is None:
         return []
     found = []

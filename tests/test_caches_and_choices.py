@@ -382,18 +382,22 @@ def by_hand():
 
 pallas_guard.uninstall()
 before = (dict(discharge._discharge_rules), hlo_interpreter._dynamic_slice,
-          hlo_interpreter._dynamic_update_slice, dict(mlir._platform_specific_lowerings["cpu"]))
+          hlo_interpreter._dynamic_update_slice, dict(mlir._platform_specific_lowerings["cpu"]),
+          hlo_interpreter.loops, discharge._eval_jaxpr_discharge_state)
 jax_alone = np.asarray(jax.jit(lambda s, a: by_hand()(s, a))(start, x))
 pallas_guard.install("interpret", checks="bounds,agree")
 guarded = np.asarray(by_hand()(start, x))
 guarded_jit = np.asarray(jax.jit(lambda s, a: by_hand()(s, a))(start, x))
+wrapped = (hlo_interpreter.loops is not before[4], discharge._eval_jaxpr_discharge_state is not before[5])
 pallas_guard.uninstall()
 after = (dict(discharge._discharge_rules), hlo_interpreter._dynamic_slice,
-         hlo_interpreter._dynamic_update_slice, dict(mlir._platform_specific_lowerings["cpu"]))
+         hlo_interpreter._dynamic_update_slice, dict(mlir._platform_specific_lowerings["cpu"]),
+         hlo_interpreter.loops, discharge._eval_jaxpr_discharge_state)
 print("restored", after == before)
 print("no filters", not logging.getLogger("jax._src.callback").filters)
 again = np.asarray(jax.jit(lambda s, a: by_hand()(s, a))(start, x))
 print("same bits", jax_alone.tobytes() == guarded.tobytes() == guarded_jit.tobytes() == again.tobytes())
+print("had wrapped the grid loop and the discharge evaluator", wrapped == (True, True))
 """
 
 
@@ -402,7 +406,12 @@ def test_uninstall_leaves_nothing_behind() -> None:
     rule of the guard's remains, and a kernel after uninstall() gives the bits JAX alone gives."""
     done = run_python(LEAVES_NOTHING)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split("\n")[:3] == ["restored True", "no filters True", "same bits True"], done.stdout
+    assert done.stdout.split("\n")[:4] == [
+        "restored True",
+        "no filters True",
+        "same bits True",
+        "had wrapped the grid loop and the discharge evaluator True",
+    ], done.stdout
 
 
 def test_uninstall_forgets_what_install_pinned() -> None:
