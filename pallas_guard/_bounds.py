@@ -20,17 +20,19 @@ import dataclasses
 import functools
 import itertools
 import linecache
-import logging
 import os
 import string
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from . import _diagnostics, _internals
+from . import _checks, _diagnostics, _findings, _internals, _settings
 from ._diagnostics import CallSite, KernelInfo
 from ._errors import PallasGuardError
 from ._patch import wrap
+
+if TYPE_CHECKING:
+    from ._engine import Run
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,31 +106,10 @@ def hook(hooks: list[Any]) -> None:
         wrap(discharge, _internals.DISCHARGE_EVALUATOR, _counting_levels, hooks, is_ours=_is_ours)
         module = _internals.hlo_interpreter_module()
         wrap(module, _internals.BLOCK_COPY, _checking_block_copy, hooks, is_ours=_is_ours)
-        if not any(isinstance(f, _QuietFindings) for f in logging.getLogger(_CALLBACK_LOGGER).filters):
-            hooks.append(_QuietFindings())
 
 
 def _is_ours(function: Any) -> bool:
     return getattr(function, "pallas_guard_checking", False) is True
-
-
-_CALLBACK_LOGGER = "jax._src.callback"
-
-
-class _QuietFindings(logging.Filter):
-    """JAX logs every exception a host callback raises, traceback and all, then raises it: a
-    finding reaches the caller in that error; logged as well, it would be said twice."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        logging.getLogger(_CALLBACK_LOGGER).addFilter(self)
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        raised = record.exc_info[1] if record.exc_info else None
-        return not (isinstance(raised, PallasGuardError) and str(raised).startswith(_diagnostics.FINDING))
-
-    def restore(self) -> None:
-        logging.getLogger(_CALLBACK_LOGGER).removeFilter(self)
 
 
 def _checking_rule(rule: Callable[..., Any], access: _internals.RefAccess, leading: int) -> Callable[..., Any]:
@@ -208,6 +189,7 @@ def lower(
         return None
     lower_fun = tools[2]
     hook(hooks)
+    source = _settings.stated("checks")
     state = _Checking(_blocks(params.get("grid_mapping")), params.get("grid_mapping"))
 
     def checked(*args: Any) -> Any:
@@ -222,7 +204,7 @@ def lower(
         finally:
             _checking.reset(token)
             state.step.clear()  # tracers of this trace, which ends here
-        raise_finding = functools.partial(_raise_finding, kernel=kernel, call_site=call_site)
+        raise_finding = functools.partial(_raise_finding, kernel=kernel, call_site=call_site, source=source)
         # Only a failed check calls back to the host (a call per kernel call would cost more than a
         # small kernel). Unordered: no effect token, which a lowering rule has no place for.
         failed = functools.reduce(jnp.logical_or, list(getattr(error, "_pred", {}).values()), jnp.bool_(False))
@@ -243,11 +225,12 @@ def unchecked_reason(entry_point: str, params: dict[str, Any]) -> str | None:
     return None
 
 
-def _raise_finding(error: Any, *, kernel: KernelInfo, call_site: CallSite) -> None:
+def _raise_finding(error: Any, *, kernel: KernelInfo, call_site: CallSite, source: str) -> None:
     finding = error.get()
     if finding:
         finding = str(finding).splitlines()[0].removesuffix(" (`check` failed)")
-        raise _diagnostics.bounds_finding(finding, kernel=kernel, call_site=call_site)
+        error = _diagnostics.bounds_finding(finding, kernel=kernel, call_site=call_site, source=source)
+        _findings.record(_checks.found("bounds", error, kernel=kernel, call_site=call_site, interpreter="plain"))
 
 
 def _blocks(grid_mapping: Any) -> tuple[tuple[tuple[int, ...], tuple[int, ...], str, str | None], ...]:
@@ -587,3 +570,25 @@ def _fields_of_one_vector(message: str) -> str:
             parts.append(f"{{0[{position}]}}")
             position += 1
     return "".join(parts)
+
+
+class Bounds(_checks.Check):
+    """Works inside the interpretation: the lowering net lowers the plain interpreter with index
+    checks (``lower``) where the front door marked the kernel (``mark``) or the setting is in force;
+    TPU interpret mode and the Mosaic-GPU interpreter check reads themselves."""
+
+    name = "bounds"
+
+    def finding(self, run: Run, error: BaseException) -> PallasGuardError | None:
+        recorded = _findings.recorded_in(error)
+        if recorded is not None:
+            return recorded
+        found = _diagnostics.bounds_error(error, kernel=run.kernel.info, call_site=run.call_site)
+        if found is None:
+            return None
+        # Not the plain interpreter's (recorded above): the checking interpreter's own read check.
+        interpreter = next((n for n in run.candidates.names if n != "plain"), None)
+        return _checks.found(self.name, found, kernel=run.kernel.info, call_site=run.call_site, interpreter=interpreter)
+
+
+CHECK = Bounds()

@@ -13,7 +13,7 @@ from typing import Any, Literal, NamedTuple
 
 from pallas_guard_autoload import CHECKS_ENV, INTERPRETER_ENV, printable
 
-from . import _interpreters
+from . import _interpreters, _record
 from ._enums import Policy
 from ._errors import PallasGuardError, PallasGuardWarning
 from ._settings import Setting, current, how_to_set
@@ -404,7 +404,12 @@ FINDING = "pallas_guard: an out-of-bounds "
 
 
 def bounds_finding(
-    finding: str, *, kernel: KernelInfo, call_site: CallSite, what: str | None = None
+    finding: str,
+    *,
+    kernel: KernelInfo,
+    call_site: CallSite,
+    what: str | None = None,
+    source: str = f"{CHECKS_ENV}=bounds",
 ) -> PallasGuardError:
     """A bounds check found an access outside a buffer (the interpreter would have clamped it).
     ``finding`` says which access (``read [20:28] of a float32[24] buffer at k.py:9 (...)``); ``what``
@@ -413,48 +418,91 @@ def bounds_finding(
         what = "block copy" if finding.startswith("block copy") else finding.split(" [", maxsplit=1)[0]
     return PallasGuardError(
         f"{FINDING}{what} in {_describe(kernel, call_site)}, found by the bounds check "
-        f"({CHECKS_ENV}=bounds; the interpreter would have clamped it silently): {finding}"
+        f"({source}; the interpreter would have clamped it silently): {finding}"
     )
 
 
-def disagreement(
-    found: Any, *, kernel: KernelInfo, call_site: CallSite, compared: Iterable[str], synthetic: bool
-) -> PallasGuardError:
-    """Two interpreters ran the same kernel on the same inputs and returned different bits
-    (``found``: an ``_agree.Disagreement``)."""
+def disagreement(found: Any, *, kernel: KernelInfo, call_site: CallSite, compared: Iterable[str]) -> PallasGuardError:
+    """Two interpreters ran the same kernel on the same inputs and returned different values where
+    the kernel wrote (``found``: an ``_agree.Disagreement``)."""
     describe = _interpreters.describe_interpreter
     where = f" at [{', '.join(map(str, found.at))}]" if found.at else ""
-    inputs = "inputs made from the traced shapes (the call is traced)" if synthetic else "the call's inputs"
     why = (
         f"it agrees with the majority of {', '.join(map(describe, compared))}"
         if found.majority
         else "no majority decides, and the plain interpreter simulates nothing"
     )
     return PallasGuardError(
-        f"pallas_guard: interpreters disagree on {_describe(kernel, call_site)}, found by the agree check "
-        f"({CHECKS_ENV}=agree): on {inputs}, output {found.output}{where} is {found.first_value!r} in "
-        f"{describe(found.first)} but {found.second_value!r} in {describe(found.second)}. The guard now runs "
-        f"this kernel in {describe(found.right)} ({why}); to choose yourself: {INTERPRETER_ENV}=plain|tpu|gpu."
+        f"pallas_guard: interpreters disagree on {_describe(kernel, call_site)}, found by the agree check: "
+        f"on the call's inputs, output {found.output}{where}, which the kernel wrote, is {found.first_value!r} in "
+        f"{describe(found.first)} but {found.second_value!r} in {describe(found.second)}. One of JAX's "
+        f"interpreters computes this kernel wrongly, or the kernel depends on what the interpreters leave "
+        f"undefined (an uninitialised scratch buffer, a race). The guard now runs this kernel in "
+        f"{describe(found.right)} ({why}); to choose yourself: {INTERPRETER_ENV}=plain|tpu|gpu."
     )
 
 
-def lowering_refused(*, kernel: KernelInfo, call_site: CallSite, target: str, error: BaseException) -> PallasGuardError:
-    """JAX's own lowering for the kernel's real target refused it (``target``: the platform, the
-    device and where it came from); the interpreted result is not returned."""
+def lowering_refused(
+    *,
+    kernel: KernelInfo,
+    call_site: CallSite,
+    target: str,
+    error: BaseException,
+    source: str,
+    check: str = "lowering",
+    fix: str | None = None,
+) -> PallasGuardError:
+    """The kernel's real target refused it (``target``: the platform, the device and where it came
+    from), in JAX's lowering or the target's compiler (``check``); the interpreted result is not
+    returned. JAX's text is said once, here (the error is raised without its cause)."""
+    said = _refusal_text(error)
+    fix = fix or refusal_fix(error)
     return PallasGuardError(
         f"pallas_guard: {_describe(kernel, call_site)} runs interpreted on the CPU, but its target refuses "
-        f"it, found by the lowering check ({CHECKS_ENV}=lowering): JAX's lowering for {target} raised "
-        f"{first_line(error)}"
+        f"it, found by the {check} check ({source}): "
+        f"{'JAX' if check == 'lowering' else 'the TPU compiler'}'s {check} for {target} raised {said}"
+        + (f"\nTo fix: {fix}" if fix else "")
     )
+
+
+_REFUSAL_LINES = 8
+"""Lines of JAX's refusal kept: its first lines say what and where; the rest is MLIR context."""
+
+
+def _refusal_text(error: BaseException) -> str:
+    lines = [line.rstrip() for line in f"{type(error).__name__}: {error}".splitlines() if line.strip()]
+    if len(lines) > _REFUSAL_LINES:
+        lines = [*lines[:_REFUSAL_LINES], f"... ({len(lines) - _REFUSAL_LINES} more lines)"]
+    return "\n  ".join(lines)
+
+
+_BLOCK_AND_ARRAY = re.compile(r"block shape \((.*?)\),? (?:while the overall )?array shape (?:is )?\(([\d, ]+)\)", re.S)
+
+
+def refusal_fix(error: BaseException) -> str | None:
+    """A "To fix" line for the refusals whose fix can be computed: a TPU block shape not divisible
+    by (8, 128) gets the nearest legal one."""
+    text = str(error)
+    match = _BLOCK_AND_ARRAY.search(text)
+    if "divisible by 8 and 128" in text and match is not None:
+        block = [int(x) for x in re.findall(r"\d+", match.group(1))]
+        array = [int(x) for x in re.findall(r"\d+", match.group(2))]
+        if len(block) >= 2 and len(block) == len(array):
+            legal = list(block)
+            for axis, unit in ((-2, 8), (-1, 128)):
+                if block[axis] != array[axis]:
+                    legal[axis] = min(array[axis], max(unit, round(block[axis] / unit) * unit))
+            return (
+                f"a block shape of ({', '.join(map(str, legal))}) (the last two dimensions multiples of 8 and 128, "
+                "or equal to the array's)"
+            )
+    return None
 
 
 def unchecked_bounds(kernel: KernelInfo, call_site: CallSite, *, why: str) -> None:
-    """The bounds check could not be applied to a kernel that runs without it: say so."""
-    _warn_at(
-        call_site,
-        f"pallas_guard: {_describe(kernel, call_site)} runs unchecked: the bounds check ({CHECKS_ENV}=bounds) "
-        f"could not be applied to it ({why})",
-    )
+    """The bounds check could not be applied to a kernel that runs without it: a note on its
+    decision (never a warning: a check asked for must not fail a ``filterwarnings = error`` suite)."""
+    _record.annotate(kernel, call_site, f"runs unchecked: bounds could not be checked: {why}")
 
 
 def finding_in(error: BaseException) -> PallasGuardError | None:
@@ -475,34 +523,6 @@ def bounds_error(error: BaseException, *, kernel: KernelInfo, call_site: CallSit
         return found
     finding = next((line.strip() for line in str(error).splitlines() if "Out-of-bounds read" in line), None)
     return None if finding is None else bounds_finding(finding, kernel=kernel, call_site=call_site, what="read")
-
-
-def check_races(out: Any, *, kernel: KernelInfo, call_site: CallSite, interpreter: str = "tpu") -> None:
-    """Raise ``PallasGuardError`` naming ``kernel`` if TPU interpret mode found a race running it.
-
-    Run eagerly, the kernel has finished when this returns and the error is raised here; traced
-    (under jit), a callback that depends on the kernel's output checks after it ran, and its error
-    surfaces from the jitted call, wrapped by JAX's runtime error. Raised there, it stops the
-    computation before the interpreter's own clean-up (ordered after the outputs): the guard resets
-    the interpreter first, so the next kernel starts clean.
-    """
-    import jax
-
-    from . import _internals
-
-    def raise_if_race(*_: Any) -> None:
-        if _internals.races_found(interpreter):
-            _internals.reset_interpreter(interpreter)
-            raise race_error(kernel=kernel, call_site=call_site, interpreter=interpreter)
-
-    leaves = jax.tree_util.tree_leaves(out)
-    if not leaves:
-        return
-    if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
-        jax.debug.callback(raise_if_race, leaves[0])
-        return
-    jax.block_until_ready(out)  # type: ignore[no-untyped-call]
-    raise_if_race()
 
 
 # One registry per file, as Python keeps one per module: with it the "default" action shows a

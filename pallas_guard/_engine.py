@@ -25,7 +25,18 @@ import weakref
 from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
-from . import _act, _agree, _bounds, _diagnostics, _internals, _interpreters, _lowering_check, _plain, _plan, _settings
+from . import (
+    _act,
+    _bounds,
+    _checks,
+    _diagnostics,
+    _findings,
+    _internals,
+    _interpreters,
+    _plain,
+    _plan,
+    _settings,
+)
 from ._enums import Policy
 from ._errors import PallasGuardError
 from ._kernel import Kernel
@@ -199,8 +210,10 @@ class Run:
         # uninstall().
         self.fast_plain = _plain.enabled()
         self.marks = _bounds.mark(self.candidates.checked, fast_plain=self.fast_plain) if self.eager else None
-        self.lowering_note: str | None = None
-        """What the lowering check found for this call's kernel and shapes (a decision's note)."""
+        self.checks = _checks.in_force(self.candidates.checked)
+        self.call_args: tuple[tuple[Any, ...], dict[str, Any]] | None = None
+        self.check_notes: tuple[str, ...] = ()
+        """What the checks said of this call's kernel and shapes (the decision's notes)."""
 
     # --- the kernel in each interpreter ------------------------------------------------------------
 
@@ -265,92 +278,46 @@ class Run:
 
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         __tracebackhide__ = True
-        if "lowering" in self.candidates.checked:
-            self._check_lowering(args, kwargs)  # first: a refused kernel's result is never returned
-        agree = "agree" in self.candidates.checked
-        if not self.candidates.verify and not agree:
-            return self._run(self.candidates.names[0], args, kwargs, tried=())
         key = self._settled_key(args, kwargs)
+        self.call_args = (args, kwargs)
+        outputs = None
+        notes = []
+        for check in self.checks:  # first: a kernel a check refuses never runs, nor returns a result
+            prepared = self._prepare(check, key, args, kwargs)
+            if prepared.note:
+                notes.append(prepared.note)
+            if prepared.outputs is not None:
+                outputs = prepared.outputs
+        self.check_notes = tuple(notes)
         known = self._settled(key)
-        if known is None and agree:
-            self._agree(args, kwargs, key)
-            known = self._settled(key)
+        if known is not None and outputs is not None:
+            # A check ran the kernel in the interpreter settled on: that run is the call's result.
+            self._commit(known[0], known[1])
+            self._after(outputs, known[0])
+            return outputs
         if known is not None:
             return self._run(known[0], args, kwargs, tried=known[1])
         if not self.candidates.verify:
             return self._run(self.candidates.names[0], args, kwargs, tried=())
         return self._verify_and_run(args, kwargs, key)
 
+    def _prepare(
+        self, check: _checks.Check, key: tuple[Hashable, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> _checks.Prepared:
+        """What ``check`` needs before the run, once per kernel identity and shapes (settled under
+        a key of its own; a finding is raised at every call, nothing is settled for it)."""
+        __tracebackhide__ = True
+        check_key = (*key, check.name)
+        known = self._settled(check_key)
+        if known is not None:
+            return _checks.Prepared(known[1][0] if known[1] else None)
+        prepared = check.before(self, args, kwargs) or _checks.Prepared()
+        if prepared.settles:
+            self._settle(check_key, (check.name, (prepared.note,) if prepared.note else ()))
+        return prepared
+
     def _settled(self, key: tuple[Hashable, ...]) -> tuple[str, tuple[str, ...]] | None:
         return self.ledger.settled(key) if key[0] is not None else self.kernel.settled.get(key)
-
-    # --- the agree check ---------------------------------------------------------------------------
-
-    def _agree(self, args: tuple[Any, ...], kwargs: dict[str, Any], key: tuple[Hashable, ...]) -> None:
-        """Run the kernel in every interpreter that can run it (its candidates first, then plain and
-        TPU interpret mode, and the Mosaic-GPU interpreter for Mosaic-GPU kernels; those the table
-        says get it wrong left out) and compare their outputs bit for bit; settle on the first
-        candidate that ran, or on the one the majority says is right after raising the finding."""
-        family = self.kernel.facts.family
-        pool = (*self.candidates.names, "plain", "tpu", *(("gpu",) if family == "mosaic_gpu" else ()))
-        names = [n for n in dict.fromkeys(pool) if _interpreters.available(n)]
-        names = [n for n in names if _interpreters.gets_wrong(n, self.kernel.facts) is None]
-        made_args, made_kwargs, synthetic = _agree.inputs_for(args, kwargs)
-        outputs: dict[str, list[Any]] = {}
-        tried: list[str] = []
-        for name in names:
-            try:
-                outputs[name] = self._run_now(name, made_args, made_kwargs, synthetic=synthetic)
-            except _NEVER_RETRIED:
-                raise
-            except Exception as error:
-                if name != "plain":
-                    _internals.reset_interpreter(name)
-                tried.append(f"{name}: failed ({_diagnostics.first_line(error)})")
-                continue
-            tried.append(f"{name}: ran")
-        ran = [n for n in names if n in outputs]
-        if not ran:
-            return  # no interpreter ran it on these inputs: the call fails (or verifies) as without the check
-        found = _agree.compare(outputs, ran)
-        chosen = next((n for n in self.candidates.names if n in outputs), ran[0])
-        if found is None:
-            verdict = f"{', '.join(ran)} agree bit for bit" if len(ran) > 1 else f"only {ran[0]} runs it"
-            self._settle(key, (chosen, (*tried, f"agree: {verdict}")))
-            return
-        self._settle(key, (found.right, (*tried, f"agree: {found.first} and {found.second} disagree")))
-        raise _diagnostics.disagreement(
-            found, kernel=self.kernel.info, call_site=self.call_site, compared=ran, synthetic=synthetic
-        )
-
-    # --- the lowering check ------------------------------------------------------------------------
-
-    def _check_lowering(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Lower the kernel as the user built it for its real target, once per kernel identity and
-        shapes (settled under a key of its own); a refusal raises the finding, every time."""
-        __tracebackhide__ = True
-        key = (*self._settled_key(args, kwargs), "lowering")
-        known = self._settled(key)
-        if known is not None:
-            self.lowering_note = known[1][0]
-            return
-        target = _lowering_check.target_for(self.kernel.facts.family, _settings.current("device").value)
-        if isinstance(target, str):
-            outcome = _lowering_check.Outcome(f"lowering: not checked: {target}")
-        elif self.kernel.entry.runs_when_applied:  # core_map runs its body when built: nothing to lower
-            outcome = _lowering_check.Outcome(f"lowering: not checked: {self.kernel.entry.label} runs when built")
-        else:
-            outcome = _lowering_check.check(self.kernel.build, args, kwargs, target)
-        if outcome.refused is not None:
-            assert outcome.target is not None
-            raise _diagnostics.lowering_refused(
-                kernel=self.kernel.info,
-                call_site=self.call_site,
-                target=outcome.target.describe(),
-                error=outcome.refused,
-            ) from outcome.refused
-        self._settle(key, ("lowering", (outcome.note,)))
-        self.lowering_note = outcome.note
 
     def _settled_key(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Hashable, ...]:
         c = self.candidates
@@ -372,7 +339,7 @@ class Run:
                 out = self._explained(lambda: self._variant(name)[0], name, (), {})
             else:
                 out = self._explained(self._variant(name)[0], name, args, kwargs)
-        self._check(out, name)
+        self._after(out, name)
         return out
 
     def _verify_and_run(self, args: tuple[Any, ...], kwargs: dict[str, Any], key: tuple[Hashable, ...]) -> Any:
@@ -399,12 +366,12 @@ class Run:
                 # Plain stays the kernel as built: an AOT lowering of this trace for an accelerator
                 # must be what JAX alone gives. Another interpreter reuses the trial's trace.
                 out = self._variant(name)[0](*args, **kwargs) if name == "plain" else jitted(*args, **kwargs)
-                self._check(out, name)
+                self._after(out, name)
                 return out
             try:
                 with self._quiet_net(name):
                     out = jitted(*args, **kwargs)
-                self._check(out, name)
+                self._after(out, name)
             except _NEVER_RETRIED:
                 raise
             except Exception as error:
@@ -439,25 +406,38 @@ class Run:
             why=self.candidates.reason,
         ) from failures[0][1]
 
-    def _run_now(self, name: str, args: Any, kwargs: Any, *, synthetic: bool) -> list[Any]:
-        """The kernel's outputs in interpreter ``name``, computed now (under an outer trace too: an
-        executable of its own, run outside the trace, where the interpreters' host callbacks work)."""
-        import jax
+    # --- what the checks use -----------------------------------------------------------------------
 
-        jitted: Any = self._jitted(name)
+    def settled_key(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Hashable, ...]:
+        """The key of this kernel's identity, candidates, checks and argument shapes."""
+        return self._settled_key(args, kwargs)
+
+    def settle(self, key: tuple[Hashable, ...], choice: tuple[str, tuple[str, ...]]) -> None:
+        """Keep ``choice`` (an interpreter, and what was tried) for ``key``."""
+        self._settle(key, choice)
+
+    def settled(self, key: tuple[Hashable, ...]) -> tuple[str, tuple[str, ...]] | None:
+        return self._settled(key)
+
+    def jitted(self, name: str) -> Callable[..., Any]:
+        """The kernel in interpreter ``name`` under ``jax.jit`` (one object per kernel and settings)."""
+        return self._jitted(name)
+
+    def finding(self, error: BaseException) -> PallasGuardError | None:
+        """The finding of a check that a failed run carries, or None."""
+        return self._finding(error)
+
+    def run_now(self, name: str, args: Any, kwargs: Any) -> Any:
+        """The kernel's outputs in interpreter ``name``, computed now (eager calls only)."""
         with self.ledger.verification():
-            if not synthetic:
-                return _agree.leaves(jitted(*args, **kwargs))
-            compiled = jitted.lower(*args, **kwargs).compile()
-        with jax.ensure_compile_time_eval():
-            return _agree.leaves(compiled(*args, **kwargs))
+            return self._jitted(name)(*args, **kwargs)
 
     # --- carrying the choice out -------------------------------------------------------------------
 
     def _commit(self, name: str, tried: tuple[str, ...]) -> None:
         """Record (and warn) for interpreter ``name``; a plain run under a trace is the net's to
         record, at lowering, where the target is certain: the ledger tells it what was tried."""
-        notes = tuple(note for note in (self.candidates.checks_note, self.lowering_note) if note)
+        notes = tuple(note for note in (self.candidates.checks_note, *self.check_notes) if note)
         if name != "plain" and _internals.export_platforms() is not None:
             raise _diagnostics.unexportable(
                 kernel=self.kernel.info,
@@ -498,9 +478,11 @@ class Run:
     def _finding(self, error: BaseException) -> PallasGuardError | None:
         """A check's finding (the kernel's fault, which no other interpreter must hide), as the
         guard's own error."""
-        if "bounds" in self.candidates.checked:
-            return _diagnostics.bounds_error(error, kernel=self.kernel.info, call_site=self.call_site)
-        return None
+        for check in self.checks:
+            found = check.finding(self, error)
+            if found is not None:
+                return found
+        return _findings.recorded_in(error)
 
     def _explain(self, error: BaseException, name: str) -> None:
         """What the guard knows of a failure the CPU or the interpreter caused, as a note on it."""
@@ -531,6 +513,6 @@ class Run:
             ),
         )
 
-    def _check(self, out: Any, name: str) -> None:
-        if self.candidates.detect_races:
-            _diagnostics.check_races(out, kernel=self.kernel.info, call_site=self.call_site, interpreter=name)
+    def _after(self, out: Any, name: str) -> None:
+        for check in self.checks:
+            check.after(self, out, name)

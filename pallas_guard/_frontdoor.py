@@ -19,6 +19,7 @@ from typing import Any
 from . import (
     _act,
     _bounds,
+    _checks,
     _device,
     _diagnostics,
     _engine,
@@ -232,7 +233,8 @@ def candidates(kernel: Kernel) -> _interpreters.Candidates:
     )
     names = tuple(name for name in chosen.names if _interpreters.available(name)) or ("plain",)
     lacking = names != chosen.names
-    checked = chosen.checked | (frozenset(checks.value) & {"agree", "lowering"})
+    # The checks the engine runs itself (before or after the interpretation) join the interpreter's.
+    checked = chosen.checked | frozenset(check.name for check in _checks.in_force(checks.value) if check.at_front_door)
     return chosen._replace(names=names, verify=chosen.verify and len(names) > 1, lacking=lacking, checked=checked)
 
 

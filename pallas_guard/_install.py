@@ -186,6 +186,9 @@ class Installation:
         if self.rules or self.net_gaps:
             return
         _internals.exclude_guard_frames_from_jax_tracebacks()
+        from . import _findings
+
+        _findings.hook(self.hooks)
         self.routes_via_mpmd = _internals.has_mpmd_module()
         nets = {"pallas_call": ("pallas_call", "pallas_call_p", _internals.pallas_call_primitive())}
         if self.routes_via_mpmd:

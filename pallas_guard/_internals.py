@@ -566,6 +566,16 @@ def slice_class() -> type[Any] | None:
     return cls if isinstance(cls, type) else None
 
 
+def executable_class() -> type | None:
+    """JAX's call of a compiled computation in Python (``pxla.ExecuteReplicated``): every
+    computation with host callbacks runs through its ``__call__`` (the C++ fast path skips them)."""
+    cls = getattr(import_optional("jax._src.interpreters.pxla"), "ExecuteReplicated", None)
+    if not isinstance(cls, type):
+        note_missing("pxla.ExecuteReplicated", "a run-time finding under jit arrives inside JAX's runtime error")
+        return None
+    return cls
+
+
 def hlo_interpreter_module() -> types.ModuleType | None:
     return import_optional("jax._src.pallas.hlo_interpreter")
 
@@ -654,11 +664,11 @@ def written_blocks(params: Mapping[str, Any]) -> frozenset[int] | None:
     return frozenset(p for p in written if 0 <= p < blocks)
 
 
-def access_site() -> tuple[str, int, str] | None:
-    """``(file, line, function)`` of the kernel code that made the access being discharged: the
-    innermost frame outside jax's internals and the guard (JAX's own kernels count: they live
-    outside ``jax/_src``)."""
-    traceback = current_traceback()
+def access_site(eqn: Any = None) -> tuple[str, int, str] | None:
+    """``(file, line, function)`` of the kernel code that made the access being discharged (or
+    equation ``eqn``): the innermost frame outside jax's internals and the guard (JAX's own kernels
+    count: they live outside ``jax/_src``)."""
+    traceback = current_traceback() if eqn is None else getattr(getattr(eqn, "source_info", None), "traceback", None)
     if traceback is None:
         return None
     internal = (f"{os.sep}jax{os.sep}_src{os.sep}", _PACKAGE_DIR + os.sep, "<frozen")

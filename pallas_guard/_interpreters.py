@@ -431,9 +431,9 @@ def candidates(
     (``Candidates.checks_note`` says why, or says what a check that moved the kernel off the plain
     interpreter costs).
     """
-    # Not an interpreter's checks: the engine compares interpreters (agree) and lowers for the
-    # kernel's target (lowering).
-    checks = checks - {"agree", "lowering"}
+    # An interpreter's checks; the others are the engine's (comparing interpreters, lowering and
+    # compiling for the kernel's target).
+    checks = checks & {"races", "bounds"}
     bounds = frozenset(checks & {"bounds"})  # every interpreter checks bounds: see below
     if effects_refused is not None:
         # TPU/GPU params add ordered effects, whose tokens this place has no room for (KeyError:

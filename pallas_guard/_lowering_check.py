@@ -15,12 +15,17 @@ device can be presented) is a note: the check could not run.
 from __future__ import annotations
 
 import inspect
+import linecache
+import re
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from pallas_guard_autoload import DEVICES
 
-from . import _device, _diagnostics, _internals
+from . import _checks, _device, _diagnostics, _internals, _settings
+
+if TYPE_CHECKING:
+    from ._engine import Run
 
 DEFAULT_DEVICES = {"mosaic_tpu": "tpu-v5e", "triton": "h100", "mosaic_gpu": "h100"}
 """The device a kernel family is lowered for when no device is set."""
@@ -60,14 +65,24 @@ class Outcome(NamedTuple):
     target: Target | None = None
 
 
+_FAMILY_PLATFORMS = {"mosaic_tpu": "tpu", "triton": "gpu", "mosaic_gpu": "gpu"}
+"""The platform (``DEVICES``) a kernel family is written for."""
+
+
 def target_for(family: str | None, device: str | None) -> Target | str:
-    """The target to lower for: the device setting's platform where a device is set, else the
-    family's (Mosaic TPU: tpu; Triton, Mosaic GPU: cuda); a reason to skip where neither tells."""
-    if device in DEVICES:
+    """The target to lower for: the device setting's where it is of the kernel family's platform
+    (or the kernel is generic), else the family's default device (Mosaic TPU: a TPU v5e; Triton,
+    Mosaic GPU: an H100), so that a project with both families sets one device and no valid kernel
+    is refused for the other family's; a reason to skip where neither tells."""
+    platform = _FAMILY_PLATFORMS.get(family or "")
+    if device in DEVICES and platform in (None, DEVICES[device][2]):
         return Target(_PLATFORMS[DEVICES[device][2]], device, "the device setting")
     if family in DEFAULT_DEVICES:
         default = DEFAULT_DEVICES[family]
-        return Target(_PLATFORMS[DEVICES[default][2]], default, f"the default for {family} kernels")
+        source = f"the default for {family} kernels"
+        if device in DEVICES:
+            source += f"; the device setting {device!r} is a {DEVICES[device][2].upper()} and applies to its own family"
+        return Target(_PLATFORMS[DEVICES[default][2]], default, source)
     return "a generic kernel has no target of its own: set a device (PALLAS_GUARD_DEVICE) to lower it for one"
 
 
@@ -119,3 +134,77 @@ def check(build: Callable[[], Any], args: tuple[Any, ...], kwargs: dict[str, Any
             return Outcome(f"lowering: not checked for {target.describe()}: {first}")
         return Outcome(f"lowering: refused by {target.describe()}", refused=error, target=target)
     return Outcome(f"lowering: lowers for {target.describe()}")
+
+
+_UNSUPPORTED = re.compile(r"Unimplemented primitive in Pallas \w+ lowering(?: for \w+)?: (\w+)")
+
+
+def unsupported_primitive_fix(
+    build: Callable[[], Any], args: tuple[Any, ...], kwargs: dict[str, Any], error: BaseException
+) -> str | None:
+    """Where a primitive the target has no rule for is used in the kernel: the line to change (the
+    kernel is traced again for it, only when refused)."""
+    import jax
+
+    match = _UNSUPPORTED.search(str(error))
+    if match is None:
+        return None
+    primitive = match.group(1)
+    avals, kwavals = _avals((args, kwargs))
+    try:
+        traced = jax.make_jaxpr(build())(*avals, **kwavals)
+    except Exception:  # no line to name: the refusal stands without one
+        return None
+    site = _site_of(traced.jaxpr, primitive, None)
+    if site is None:
+        return None
+    filename, line, _ = site
+    code = linecache.getline(filename, line).strip()
+    return f"{primitive} has no lowering for this target: replace it at {filename}:{line}" + (
+        f" (`{code}`)" if code else ""
+    )
+
+
+def _site_of(jaxpr: Any, primitive: str, outer: tuple[str, int, str] | None) -> tuple[str, int, str] | None:
+    """The kernel line of the first use of ``primitive``: its equation's, or, inside a helper JAX
+    traced (``jnp.sort`` is a jit of its own), the line that called the helper."""
+    for eqn in getattr(getattr(jaxpr, "jaxpr", jaxpr), "eqns", ()):
+        site = _internals.access_site(eqn) or outer
+        if eqn.primitive.name == primitive:
+            return site
+        for value in eqn.params.values():
+            for inner in value if isinstance(value, (tuple, list)) else (value,):
+                if hasattr(inner, "eqns") or hasattr(getattr(inner, "jaxpr", None), "eqns"):
+                    found = _site_of(inner, primitive, site)
+                    if found is not None:
+                        return found
+    return None
+
+
+class Lowering(_checks.Check):
+    name = "lowering"
+    at_front_door = True
+
+    def before(self, run: Run, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _checks.Prepared:
+        """Lower the kernel as the user built it for its real target; a refusal is a finding."""
+        __tracebackhide__ = True
+        target = target_for(run.kernel.facts.family, _settings.current("device").value)
+        if isinstance(target, str):
+            return _checks.Prepared(f"lowering: not checked: {target}")
+        if run.kernel.entry.runs_when_applied:  # core_map runs its body when built: nothing to lower
+            return _checks.Prepared(f"lowering: not checked: {run.kernel.entry.label} runs when built")
+        outcome = check(run.kernel.build, args, kwargs, target)
+        if outcome.refused is not None:
+            error = _diagnostics.lowering_refused(
+                kernel=run.kernel.info,
+                call_site=run.call_site,
+                target=target.describe(),
+                error=outcome.refused,
+                source=_settings.stated("checks"),
+                fix=unsupported_primitive_fix(run.kernel.build, args, kwargs, outcome.refused),
+            )
+            raise _checks.found(self.name, error, kernel=run.kernel.info, call_site=run.call_site) from None
+        return _checks.Prepared(outcome.note)
+
+
+CHECK = Lowering()

@@ -11,6 +11,7 @@ import enum
 from collections.abc import Callable
 from typing import Any, Literal, NamedTuple
 
+from . import _checks
 from ._enums import Policy
 from ._interpreters import Candidates
 
@@ -130,7 +131,7 @@ def _needs_front_door(candidates: Candidates) -> bool:
         or candidates.verify
         or candidates.checks_note is not None
         or candidates.lacking
-        or bool(candidates.checked & {"agree", "lowering"})
+        or _checks.at_front_door(candidates.checked)
     )
 
 

@@ -29,7 +29,7 @@ class Decision:
     """The platform(s) the kernel was being traced or lowered for."""
     policy: Policy
     action: str
-    """``"interpreted"``, ``"refused"`` or ``"untouched"``."""
+    """``"interpreted"``, ``"refused"``, ``"untouched"``, or ``"found"`` (a check's finding)."""
     interpreter: str | None
     """``"plain"``, ``"tpu"`` or ``"gpu"`` when interpreted, else None."""
     reason: str
@@ -52,6 +52,8 @@ class Decision:
     that they chose an interpreter much slower than the one it runs in unchecked."""
     why: str = ""
     """The one reason sentence every surface prints: ``reason``, and where it was decided, in words."""
+    check: str | None = None
+    """The check whose finding this is (action ``"found"``), else None."""
 
     def __repr__(self) -> str:
         how = f" with the {self.interpreter} interpreter" if self.interpreter else ""
@@ -90,6 +92,7 @@ def note(
     policy_source: str = "",
     notes: tuple[str, ...] = (),
     why: str = "",
+    check: str | None = None,
 ) -> None:
     """Record what a layer did with ``kernel`` (the facts the diagnostics already gathered)."""
     add(
@@ -111,8 +114,23 @@ def note(
             policy_source=policy_source,
             notes=notes,
             why=why,
+            check=check,
         )
     )
+
+
+def annotate(kernel: KernelInfo, called_at: CallSite, note_text: str) -> None:
+    """Add ``note_text`` to the latest decision about ``kernel`` called at ``called_at`` (a note a
+    layer learns after it recorded the decision, as when a check cannot be applied at lowering)."""
+    import dataclasses
+
+    with _lock:
+        for position in range(len(_records) - 1, -1, -1):
+            decision = _records[position]
+            if decision.kernel == kernel.name and decision.called_at == called_at.user:
+                if note_text not in decision.notes:
+                    _records[position] = dataclasses.replace(decision, notes=(*decision.notes, note_text))
+                return
 
 
 def snapshot() -> list[Decision]:

@@ -192,6 +192,17 @@ def how_to_set(name: str, value: object, source: str) -> str:  # noqa: PLR0911 -
     return f"set {option.env}={word}"
 
 
+def stated(name: str) -> str:
+    """Option ``name`` in force here and where it came from, as a finding names it:
+    ``PALLAS_GUARD_CHECKS=bounds``, or ``checks=bounds from pallas_guard.policy() scope``."""
+    setting = current(name)
+    option = OPTIONS[name]
+    word = option.word(setting.value)
+    if setting.source.startswith(option.env):
+        return f"{option.env}={word}"
+    return f"{name}={word} from {setting.source}"
+
+
 class Outcome(NamedTuple):
     """What the guard does here to a Pallas kernel written for GPU/TPU (``doctor``, the pytest plugin)."""
 

@@ -1,0 +1,114 @@
+"""The checks: one protocol the engine calls, one module per check.
+
+A check says what it needs before a kernel runs (``before``: lower or compile the kernel for its
+target, run it in every interpreter), how it changes the interpretation (``interpretation``: the
+interpreter it needs, the marks that make the lowering net check accesses), and what it inspects
+after the run (``after``: the interpreter's race state). The engine calls the checks in force in
+the order of the settings table; adding a check means its module, a row here and the name in the
+settings table (``pallas_guard_autoload.CHECKS``), nothing else.
+
+Every finding of every check goes through :func:`found`: recorded as a decision (action
+``found``, with the check's name) and returned as the ``PallasGuardError`` the caller raises; a
+finding made while a computation runs is carried out of it by ``_findings``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from pallas_guard_autoload import CHECKS
+
+from . import _record
+from ._errors import PallasGuardError
+
+if TYPE_CHECKING:
+    from ._diagnostics import CallSite, KernelInfo
+    from ._engine import Run
+
+
+class Check:
+    """One check; the defaults do nothing, so a check implements only the steps it has."""
+
+    name: ClassVar[str]
+    at_front_door: ClassVar[bool] = False
+    """Whether the front door must act for it under any trace (it runs before the kernel, or needs
+    an interpreter of its own): the plain interpreter alone would be left to the lowering net."""
+
+    def before(self, run: Run, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Prepared | None:
+        """Before the kernel runs, once per kernel identity and shapes (the engine keeps what it
+        returns); raise a finding where the kernel is refused."""
+        return None
+
+    def after(self, run: Run, out: Any, interpreter: str) -> None:
+        """After the kernel ran in ``interpreter`` (``out``: its outputs, tracers under a trace)."""
+
+    def finding(self, run: Run, error: BaseException) -> PallasGuardError | None:
+        """The finding a failed run carries (the kernel's fault, which no other interpreter may
+        hide), or None."""
+        return None
+
+
+class Prepared:
+    """What a check's ``before`` settled: a note for the decision, and, where it ran the kernel
+    to check it, the interpreter whose outputs are the call's result (eager calls only)."""
+
+    __slots__ = ("note", "outputs", "settles")
+
+    def __init__(self, note: str | None = None, *, outputs: Any = None, settles: bool = True) -> None:
+        self.note, self.outputs, self.settles = note, outputs, settles
+
+
+_MODULES = {
+    "lowering": "_lowering_check",
+    "compile": "_compile_check",
+    "agree": "_agree",
+    "races": "_races",
+    "bounds": "_bounds",
+}
+"""Each check's module (its ``CHECK``), in the order the engine calls them: a kernel its target
+refuses is never run, so the checks that run it come after those that lower or compile it."""
+
+
+def in_force(names: frozenset[str]) -> tuple[Check, ...]:
+    """The checks named, in the engine's order."""
+    return tuple(_check(name) for name in _MODULES if name in names and name in CHECKS)
+
+
+def _check(name: str) -> Check:
+    module = importlib.import_module(f"{__package__}.{_MODULES[name]}")
+    check: Check = module.CHECK
+    return check
+
+
+def at_front_door(names: frozenset[str]) -> bool:
+    return any(check.at_front_door for check in in_force(names))
+
+
+def found(
+    check: str,
+    error: PallasGuardError,
+    *,
+    kernel: KernelInfo,
+    call_site: CallSite,
+    platforms: tuple[str, ...] = ("cpu",),
+    interpreter: str | None = None,
+) -> PallasGuardError:
+    """A finding of ``check``: recorded as a decision, returned for the caller to raise."""
+    from . import _settings
+
+    policy = _settings.current_policy()
+    _record.note(
+        kernel,
+        called_at=call_site,
+        platforms=platforms,
+        policy=policy.value,
+        action="found",
+        interpreter=interpreter,
+        reason=str(error).splitlines()[0],
+        layer="front door",
+        policy_source=policy.source,
+        check=check,
+        why=f"found by the {check} check",
+    )
+    return error

@@ -1,0 +1,64 @@
+"""The ``races`` check: the race detector of TPU interpret mode or the Mosaic-GPU interpreter.
+
+The interpreter choice moves a TPU-style kernel to TPU interpret mode and a Mosaic-GPU kernel to
+the Mosaic-GPU interpreter with their detectors on (``_interpreters.candidates``); after the run,
+the detector's verdict becomes a finding.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from . import _checks, _diagnostics, _findings, _internals
+from ._errors import PallasGuardError
+
+if TYPE_CHECKING:
+    from ._engine import Run
+
+
+class Races(_checks.Check):
+    name = "races"
+
+    def after(self, run: Run, out: Any, interpreter: str) -> None:
+        # Only the interpreter that ran with the detector has a race state to read: a kernel the
+        # detector could not take (plain, forced or chosen) has none.
+        if run.candidates.detect_races and interpreter in ("tpu", "gpu"):
+            check(out, kernel=run.kernel.info, call_site=run.call_site, interpreter=interpreter)
+
+
+def check(out: Any, *, kernel: _diagnostics.KernelInfo, call_site: _diagnostics.CallSite, interpreter: str) -> None:
+    """Raise the finding if the interpreter found a race running the kernel.
+
+    Run eagerly, the kernel has finished when this returns and the finding is raised here; traced
+    (under jit), a callback that depends on the kernel's output checks after it ran and records the
+    finding, which the jitted call raises. Raised there, it stops the computation before the
+    interpreter's own clean-up (ordered after the outputs): the guard resets the interpreter first,
+    so the next kernel starts clean.
+    """
+    import jax
+
+    def finding() -> PallasGuardError | None:
+        if not _internals.races_found(interpreter):
+            return None
+        _internals.reset_interpreter(interpreter)
+        error = _diagnostics.race_error(kernel=kernel, call_site=call_site, interpreter=interpreter)
+        return _checks.found("races", error, kernel=kernel, call_site=call_site, interpreter=interpreter)
+
+    def record_if_race(*_: Any) -> None:
+        found = finding()
+        if found is not None:
+            _findings.record(found)
+
+    leaves = jax.tree_util.tree_leaves(out)
+    if not leaves:
+        return
+    if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
+        jax.debug.callback(record_if_race, leaves[0])
+        return
+    jax.block_until_ready(out)  # type: ignore[no-untyped-call]
+    found = finding()
+    if found is not None:
+        raise found
+
+
+CHECK = Races()
