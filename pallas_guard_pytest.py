@@ -182,6 +182,7 @@ def _row(decision: Any, nodeid: str) -> dict[str, Any]:
         "steps": decision.steps,
         "notes": list(getattr(decision, "notes", ())),
         "checks": _verdicts(decision),
+        "check": getattr(decision, "check", None),
         # The one reason sentence (repr(decision) prints it too); a recording guard without it: its reason.
         "why": getattr(decision, "why", "") or decision.reason,
     }
@@ -487,11 +488,16 @@ def summary_lines(rows: list[dict[str, Any]], *, details: bool) -> list[str]:
     interpreters = Counter(row["interpreter"] or "?" for row in rows if row["action"] == "interpreted")
     by_interpreter = ", ".join(f"{name}: {count}" for name, count in sorted(interpreters.items()))
     tests = sorted({row["test"] for row in rows})
+    kernels = [row for row in rows if row["action"] != "found"]  # a finding is about a kernel counted already
     lines = [
-        f"{len(rows)} Pallas kernel(s): {actions['interpreted']} interpreted"
+        f"{len(kernels)} Pallas kernel(s): {actions['interpreted']} interpreted"
         + (f" ({by_interpreter})" if by_interpreter else "")
         + f", {actions['refused']} refused, {actions['untouched']} left alone; in {len(tests)} test(s)"
     ]
+    found = Counter(row.get("check") or "?" for row in rows if row["action"] == "found")
+    if found:  # every finding of every check, counted where the refusals are
+        by_check = ", ".join(f"{check}: {count}" for check, count in sorted(found.items()))
+        lines[0] += f"; {sum(found.values())} finding(s) ({by_check})"
     if not rows:
         return lines
     notes = Counter(note for row in rows for note in row.get("notes") or ())
@@ -507,6 +513,7 @@ def summary_lines(rows: list[dict[str, Any]], *, details: bool) -> list[str]:
         return lines
     for row in sorted(rows, key=lambda r: (r["test"], r["action"], r["kernel"])):
         how = f" with the {row['interpreter']} interpreter" if row["action"] == "interpreted" else ""
+        how = f" by the {row.get('check')} check" if row["action"] == "found" else how
         steps = f", {_steps(row.get('steps'))}" if row.get("steps") is not None else ""
         lines.append(
             printable(

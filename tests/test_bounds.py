@@ -7,6 +7,7 @@ bit for bit what the unchecked plain interpreter returns.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -395,8 +396,6 @@ def test_a_failure_of_the_check_itself_runs_the_kernel_unchecked_and_says_so(mon
     """A kernel the check cannot handle is never failed by it: it runs in the plain interpreter as
     without the check, and its decision's note says the check did not apply; no warning, which a
     ``filterwarnings = error`` suite would turn into a failure."""
-    import warnings
-
     from pallas_guard import _bounds
 
     def broken(*args: object, **kwargs: object) -> None:
@@ -412,7 +411,8 @@ def test_a_failure_of_the_check_itself_runs_the_kernel_unchecked_and_says_so(mon
     np.testing.assert_array_equal(out, X[:16])
     decision = pallas_guard.decisions()[-1]
     assert decision.called_at == f"{__file__}:{line_of('UNCHECKED-CALL')}"
-    assert any("bounds could not be checked: RuntimeError: the check cannot handle this kernel" in n for n in decision.notes)
+    said = "bounds could not be checked: RuntimeError: the check cannot handle this kernel"
+    assert any(said in note for note in decision.notes)
 
 
 def test_uninstall_puts_back_every_function_the_check_wrapped() -> None:
@@ -438,3 +438,24 @@ def test_uninstall_puts_back_every_function_the_check_wrapped() -> None:
     from jax._src.interpreters import pxla
 
     assert not getattr(pxla.ExecuteReplicated.__call__, "pallas_guard_findings", False)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("where", ["install", "policy scope"])
+def test_a_finding_is_a_pallas_guard_error_whatever_set_the_check(jit: bool, where: str) -> None:
+    """Eager or under jit, from install() or a policy() scope: the finding reaches the caller as
+    PallasGuardError itself (not inside JAX's runtime error) and is recorded as a decision."""
+    call = _generic(shifted_read, 3)
+    pallas_guard.uninstall()
+    if where == "install":
+        pallas_guard.install("interpret", checks="bounds")
+        scope: Any = contextlib.nullcontext()
+    else:
+        pallas_guard.install("interpret")
+        scope = pallas_guard.policy(checks="bounds")
+    with scope, pytest.raises(PallasGuardError) as raised:
+        jax.block_until_ready(jax.jit(call)() if jit else call())
+    assert type(raised.value) is PallasGuardError
+    assert "CpuCallback" not in str(raised.value) and raised.value.__cause__ is None
+    found = [d for d in pallas_guard.decisions() if d.action == "found"]
+    assert [(d.check, d.interpreter) for d in found] == [("bounds", "plain")]

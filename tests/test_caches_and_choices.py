@@ -329,6 +329,7 @@ def test_the_agree_check_finds_the_gpu_interpreter_wrong(
         and "output 0 at [1, 0], which the kernel wrote, is nan in the Mosaic-GPU interpreter" in text
     )
     assert "but 16.0 in the plain interpreter" in text
+    assert [d.check for d in pallas_guard.decisions() if d.action == "found"] == ["agree"]  # recorded as such
     np.testing.assert_array_equal(gmem_op(GMEM_X), GMEM_X * 2)  # the guard keeps plain
     np.testing.assert_array_equal(jax.jit(gmem_op)(GMEM_X), GMEM_X * 2)
 

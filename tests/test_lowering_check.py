@@ -130,6 +130,23 @@ def test_a_triton_kernel_that_lowers_on_the_h100_is_silent(guard: Any) -> None:
         assert np.asarray(kernel(x)).tobytes() == _unchecked(kernel, x)
 
 
+@pytest.mark.parametrize(
+    ("device", "params", "lowered_for"),
+    [("tpu-v5e", triton_params, "cuda (NVIDIA H100"), ("h100", tpu_params, "tpu (TPU v5 lite")],
+    ids=["triton under a tpu device", "mosaic-tpu under a gpu device"],
+)
+def test_each_family_is_lowered_for_its_own_target(guard: Any, device: str, params: Any, lowered_for: str) -> None:
+    """One device for a project with both families: a valid kernel of the other family is lowered
+    for its own family's default device, and the note says why; nothing is refused."""
+    guard("interpret", checks="lowering", device=device)
+    kernel = blocked(double, (16, 128), (32, 128), params())
+    x = ROWS[:32, :128]
+    checked = np.asarray(kernel(x)).tobytes()
+    notes = [note for note in pallas_guard.decisions()[-1].notes if note.startswith("lowering:")]
+    assert notes and lowered_for in notes[0] and f"the device setting {device!r}" in notes[0], notes
+    assert checked == _unchecked(kernel, x)
+
+
 def test_a_generic_kernel_without_a_device_is_not_checked(guard: Any) -> None:
     """No compiler params and no device: no target to lower for; the decision says so."""
     guard("interpret", checks="lowering")

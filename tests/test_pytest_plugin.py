@@ -879,3 +879,76 @@ def test_jit():
     lowering = "lowering: lowers for tpu (TPU v5 lite, the device setting)"
     assert checks == [f"checks of add_one_kernel: {agree}; {lowering}"] * 2
     assert f"check (2 kernel(s)): {agree}" in result.outlines
+
+
+# --- a check's finding reads like the guard's other failures ------------------------------------------
+
+REFUSED_BY_THE_TPU = """
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+
+def double(x_ref, o_ref):
+    o_ref[...] = x_ref[...] * 2
+
+
+def sorts(x_ref, o_ref):
+    o_ref[...] = jnp.sort(x_ref[...], axis=-1)  # SORT-LINE
+
+
+def blocked(body, block):
+    spec = pl.BlockSpec(block, lambda i: (i, 0))
+    return pl.pallas_call(
+        body, out_shape=jax.ShapeDtypeStruct((32, 128), jnp.float32), grid=(32 // block[0],),
+        in_specs=[spec], out_specs=spec, compiler_params=pltpu.CompilerParams(),
+    )
+
+
+X = jnp.ones((32, 128), jnp.float32)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_narrow_blocks(jit):
+    call = blocked(double, (8, 64))
+    (jax.jit(call) if jit else call)(X)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_sorts(jit):
+    call = blocked(sorts, (8, 128))
+    (jax.jit(call) if jit else call)(X)
+"""
+
+
+@pytest.mark.parametrize("workers", [(), ("-n", "2")], ids=["one process", "xdist"])
+def test_a_finding_is_counted_short_and_says_where_its_setting_came_from(
+    tester: pytest.Pytester, workers: tuple[str, ...]
+) -> None:
+    """Settings from pyproject.toml, two kernels a TPU refuses: each failure is a short
+    PallasGuardError (no guard frames, JAX's text once, a To fix line naming the kernel's line or
+    the legal block shape, the ini key as the setting's source), and the summary counts them."""
+    if workers:
+        pytest.importorskip("xdist")
+    tester.makepyprojecttoml(
+        '[tool.pytest.ini_options]\npallas_guard_policy = "interpret"\npallas_guard_checks = ["lowering"]\n'
+    )
+    tester.makepyfile(test_tpu=REFUSED_BY_THE_TPU)
+    result = runpytest(tester, *workers)
+    result.assert_outcomes(failed=4)
+    assert "4 finding(s) (lowering: 4)" in result.stdout.str()
+    text = result.stdout.str()
+    failures = text.split("____ test_")[1:]
+    assert len(failures) == 4
+    for failure in failures:
+        body = failure.split("short test summary")[0].split("pallas_guard summary")[0]
+        lines = [line for line in body.splitlines() if line.strip()]
+        assert len(lines) <= 25, body
+        assert "pallas_guard/_" not in body  # no frame of the guard's own
+        assert "PallasGuardError" in body and "found by the lowering check" in body
+        assert "checks=lowering from pallas_guard_checks" in body
+        assert "To fix: " in body
+    assert "To fix: a block shape of (8, 128)" in text
+    assert "replace it at" in text and "SORT-LINE" in text

@@ -1,0 +1,168 @@
+"""The agree check compares what a kernel defines, once, and only where the computation runs.
+
+Valid kernels that JAX's interpreters evaluate with different roundings, NaN payloads or
+unwritten blocks give no finding; a real disagreement is still found; each interpreter runs once
+on a first call, nothing runs under abstract evaluation; typed PRNG keys pass through.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import pallas as pl
+
+import pallas_guard
+from pallas_guard import _agree, _interpreters
+
+pytestmark = pytest.mark.skipif(not _interpreters.available("tpu"), reason="this jax has no TPU interpret mode")
+
+SPEC = pl.BlockSpec((8, 128), lambda i: (i, 0))
+
+
+def _rows(body: Any, dtype: Any = jnp.float32, rows: int = 32) -> Any:
+    return pl.pallas_call(
+        body, out_shape=jax.ShapeDtypeStruct((rows, 128), dtype), grid=(rows // 8,), in_specs=[SPEC], out_specs=SPEC
+    )
+
+
+def transcendental(x_ref, o_ref):  # type: ignore[no-untyped-def]
+    v = x_ref[...]
+    o_ref[...] = jnp.tanh(v) + jnp.exp(v) * jax.lax.erf(v) - jnp.log1p(jnp.abs(v))
+
+
+def fused_sums(x_ref, o_ref):  # type: ignore[no-untyped-def]
+    v = x_ref[...]
+    o_ref[...] = v * 1.7 + v * v - jnp.sin(v) * 0.5
+
+
+def makes_nan(x_ref, o_ref):  # type: ignore[no-untyped-def]
+    v = x_ref[...]
+    o_ref[...] = jnp.log(v) * jnp.sqrt(v - 10.0)  # NaN for most inputs: payloads may differ
+
+
+def skips_block_one(x_ref, o_ref):  # type: ignore[no-untyped-def]
+    @pl.when(pl.program_id(0) != 1)  # block 1 never written, as block-skipping attention does
+    def _() -> None:
+        o_ref[...] = x_ref[...] + 1
+
+
+def _x(dtype: Any = jnp.float32, rows: int = 32) -> jax.Array:
+    return (jax.random.normal(jax.random.key(0), (rows, 128)) * 3).astype(dtype)
+
+
+def _unchecked(call: Any, *args: Any) -> bytes:
+    with pallas_guard.policy(checks="none"):
+        return np.asarray(call(*args)).tobytes()
+
+
+def _ulps_between_interpreters(body: Any, dtype: Any) -> int:
+    """The largest last-place difference between plain and TPU interpret mode on ``body``."""
+    with pallas_guard.policy(checks="none", interpreter="plain"):
+        plain = np.asarray(_rows(body, dtype)(_x(dtype)))
+    with pallas_guard.policy(checks="none", interpreter="tpu"):
+        tpu = np.asarray(_rows(body, dtype)(_x(dtype)))
+    finite = np.isfinite(plain.astype(np.float32)) & np.isfinite(tpu.astype(np.float32))
+    return int(_agree._ulp_distance(plain[finite], tpu[finite]).max(initial=0))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_the_tolerance_table_covers_what_the_interpreters_measure_here(guard: Any, dtype: str) -> None:
+    """Measured on this jax: plain and TPU interpret mode differ on transcendental kernels by no
+    more than the table's last-place tolerance for the dtype (the table is what agree allows)."""
+    guard("interpret")
+    measured = max(_ulps_between_interpreters(body, dtype) for body in (transcendental, fused_sums))
+    assert measured <= _agree.tolerance("plain", "tpu", dtype), f"{dtype}: {measured} ulps between interpreters"
+
+
+@pytest.mark.parametrize("body", [transcendental, fused_sums, makes_nan], ids=lambda f: f.__name__)
+def test_valid_kernels_give_no_finding_and_the_unchecked_bits(guard: Any, body: Any) -> None:
+    guard("interpret", checks="agree")
+    call = _rows(body)
+    checked = np.asarray(call(_x())).tobytes()
+    tried = pallas_guard.decisions()[-1].tried
+    assert "agree: plain, tpu agree" in tried, tried
+    assert checked == _unchecked(call, _x())
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.int32, jnp.bool_], ids=["float32", "int32", "bool"])
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "jit"])
+def test_a_block_the_kernel_never_writes_is_no_disagreement(guard: Any, dtype: Any, traced: bool) -> None:
+    """Plain leaves its fill in block 1 (NaN, the type's minimum, False), TPU interpret mode the
+    previous step's block: neither is a value the kernel defined."""
+
+    def body(x_ref, o_ref):  # type: ignore[no-untyped-def]
+        @pl.when(pl.program_id(0) != 1)
+        def _() -> None:
+            o_ref[...] = (x_ref[...] > 0).astype(dtype) if dtype == jnp.bool_ else x_ref[...].astype(dtype) + 1
+
+    guard("interpret", checks="agree")
+    call = _rows(body, dtype)
+    out = jax.jit(call)(_x()) if traced else call(_x())
+    jax.block_until_ready(out)
+    assert not [d for d in pallas_guard.decisions() if d.action == "found"]
+
+
+def _counting(counter: list[int]) -> Any:
+    def body(x_ref, o_ref):  # type: ignore[no-untyped-def]
+        jax.debug.callback(lambda: counter.append(1))
+        o_ref[...] = x_ref[...] * 2
+
+    return _rows(body, rows=8)
+
+
+def test_each_interpreter_runs_once_on_a_first_call_and_the_result_is_the_chosen_ones(guard: Any) -> None:
+    counter: list[int] = []
+    guard("interpret", checks="agree")
+    out = _counting(counter)(_x(rows=8))
+    ran = [step for step in pallas_guard.decisions()[-1].tried if step.endswith(": ran")]
+    assert len(counter) == len(ran) == 2  # plain and TPU interpret mode, once each: not the chosen one again
+    np.testing.assert_array_equal(out, _x(rows=8) * 2)
+    counter.clear()
+    _counting(counter)(_x(rows=8))
+    assert len(counter) == 1  # settled: only the chosen interpreter runs
+
+
+def test_abstract_evaluation_runs_no_interpreter(guard: Any) -> None:
+    counter: list[int] = []
+    guard("interpret", checks="agree")
+    call = _counting(counter)
+    jax.eval_shape(call, _x(rows=8))
+    jax.jit(call).lower(_x(rows=8))
+    jax.jit(call).trace(_x(rows=8))
+    assert counter == []
+    jax.block_until_ready(jax.jit(call)(_x(rows=8)))  # computed: the chosen one, then the others compared once
+    assert len(counter) == 2
+    counter.clear()
+    jax.block_until_ready(jax.jit(call)(_x(rows=8)))
+    assert len(counter) == 1
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "jit"])
+def test_typed_prng_keys_pass_through(guard: Any, traced: bool) -> None:
+    def body(k_ref, x_ref, o_ref):  # type: ignore[no-untyped-def]
+        del k_ref
+        o_ref[...] = x_ref[...] + 1
+
+    call = pl.pallas_call(
+        body,
+        out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32),
+        in_specs=[pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec()],
+    )
+    guard("interpret", checks="agree")
+    keys = jax.random.split(jax.random.key(0), 4)
+    run = jax.jit(call) if traced else call
+    np.testing.assert_array_equal(run(keys, jnp.zeros((8, 128))), np.ones((8, 128)))
+
+
+def test_nan_payloads_are_equal_and_ulps_are_counted_across_zero() -> None:
+    a = np.array([np.nan, 1.0, -0.0, 1e-45], np.float32)
+    b = np.array([-np.nan, np.nextafter(np.float32(1), np.float32(2)), 0.0, -1e-45], np.float32)
+    b[0] = np.frombuffer(np.uint32(0x7FC00001).tobytes(), np.float32)[0]  # another NaN payload
+    assert _agree._close(a, b, 1).tolist() == [True, True, True, False]
+    assert _agree._close(a, b, 2).tolist() == [True, True, True, True]
+    assert functools.reduce(max, _agree._ulp_distance(a[1:], b[1:]).tolist()) == 2
