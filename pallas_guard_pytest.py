@@ -189,9 +189,10 @@ def _row(decision: Any, nodeid: str) -> dict[str, Any]:
 
 
 def _verdicts(decision: Any) -> list[str]:
-    """What the agree and lowering checks said of a kernel (``agree: ...``, ``lowering: ...``)."""
+    """What the agree, lowering and compile checks said of a kernel (``agree: ...``, ``lowering: ...``)."""
     tried = [entry for entry in getattr(decision, "tried", ()) if entry.startswith("agree:")]
-    return tried + [note for note in getattr(decision, "notes", ()) if note.startswith("lowering:")]
+    checks = ("agree:", "lowering:", "compile:")
+    return tried + [note for note in getattr(decision, "notes", ()) if note.startswith(checks) and note not in tried]
 
 
 _KEY = pytest.StashKey[_Session]()

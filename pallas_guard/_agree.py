@@ -24,7 +24,7 @@ import weakref
 from collections.abc import Hashable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from . import _checks, _diagnostics, _findings, _internals, _interpreters
+from . import _checks, _diagnostics, _findings, _internals, _interpreters, _record
 from ._errors import PallasGuardError
 
 if TYPE_CHECKING:
@@ -202,7 +202,9 @@ def _compare_when_run(
     def compare_on_host(chosen_out: Any, *other_outs: Any) -> None:
         outputs = {chosen: leaves(chosen_out), **{n: leaves(o) for n, o in zip(usable, other_outs, strict=True)}}
         found = compare(outputs, names, fills=fills)
-        if found is not None:
+        if found is None:
+            _record.annotate(run.kernel.info, run.call_site, f"agree: {', '.join(names)} agree")
+        else:
             verdict = f"agree: {found.first} and {found.second} disagree"
             run.settle(run.settled_key(args, kwargs), (found.right, (verdict,)))
             _findings.record(check._finding(run, found, names))  # noqa: SLF001 - the check's own finding

@@ -26,7 +26,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from . import _checks, _diagnostics, _findings, _internals, _settings
+from . import _checks, _diagnostics, _findings, _internals, _record, _settings
 from ._diagnostics import CallSite, KernelInfo
 from ._errors import PallasGuardError
 from ._patch import wrap
@@ -189,6 +189,11 @@ def lower(
         return None
     lower_fun = tools[2]
     hook(hooks)
+    if any(eqn.primitive.name == "run_state" for eqn in _internals.jaxpr_equations(params["jaxpr"])):
+        # Its body is discharged apart from the kernel's accesses: a gap said, not hidden.
+        _record.annotate(
+            kernel, call_site, "runs partly unchecked: bounds does not check accesses in pl.run_state bodies"
+        )
     source = _settings.stated("checks")
     state = _Checking(_blocks(params.get("grid_mapping")), params.get("grid_mapping"))
 

@@ -14,7 +14,6 @@ finding made while a computation runs is carried out of it by ``_findings``.
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from pallas_guard_autoload import CHECKS
@@ -59,26 +58,37 @@ class Prepared:
         self.note, self.outputs, self.settles = note, outputs, settles
 
 
-_MODULES = {
-    "lowering": "_lowering_check",
-    "compile": "_compile_check",
-    "agree": "_agree",
-    "races": "_races",
-    "bounds": "_bounds",
-}
-"""Each check's module (its ``CHECK``), in the order the engine calls them: a kernel its target
-refuses is never run, so the checks that run it come after those that lower or compile it."""
+ORDER = ("lowering", "compile", "agree", "races", "bounds")
+"""The order the engine calls the checks in: a kernel its target refuses is never run, so the
+checks that run it come after those that lower or compile it."""
 
 
 def in_force(names: frozenset[str]) -> tuple[Check, ...]:
     """The checks named, in the engine's order."""
-    return tuple(_check(name) for name in _MODULES if name in names and name in CHECKS)
+    return tuple(_check(name) for name in ORDER if name in names and name in CHECKS)
 
 
 def _check(name: str) -> Check:
-    module = importlib.import_module(f"{__package__}.{_MODULES[name]}")
-    check: Check = module.CHECK
-    return check
+    """Each check's module holds its ``CHECK``."""
+    if name == "lowering":
+        from . import _lowering_check
+
+        return _lowering_check.CHECK
+    if name == "compile":
+        from . import _compile_check
+
+        return _compile_check.CHECK
+    if name == "agree":
+        from . import _agree
+
+        return _agree.CHECK
+    if name == "races":
+        from . import _races
+
+        return _races.CHECK
+    from . import _bounds
+
+    return _bounds.CHECK
 
 
 def at_front_door(names: frozenset[str]) -> bool:

@@ -14,6 +14,7 @@ device can be presented) is a note: the check could not run.
 
 from __future__ import annotations
 
+import contextvars
 import inspect
 import linecache
 import re
@@ -114,15 +115,39 @@ def lowering_api() -> str | None:
     return None if takes else f"jax {_internals.jax_version()} cannot lower a traced function for a chosen platform"
 
 
+_as_the_target: contextvars.ContextVar[bool] = contextvars.ContextVar("pallas_guard_as_the_target", default=False)
+
+
+def hook(hooks: list[Any]) -> None:
+    """While the check lowers, Mosaic serialises for the IR version a current TPU reads, not the
+    older one JAX falls back to where no TPU backend is initialised (a matmul option it cannot
+    express would be refused there, and only there); the entry added to ``hooks`` puts it back."""
+    from ._patch import wrap
+
+    def current_version(get_ir_version: Callable[..., Any]) -> Callable[..., Any]:
+        def pallas_guard_ir_version(*args: Any, **kwargs: Any) -> Any:
+            return None if _as_the_target.get() else get_ir_version(*args, **kwargs)
+
+        pallas_guard_ir_version.pallas_guard_lowering = True  # type: ignore[attr-defined]
+        return pallas_guard_ir_version
+
+    module = _internals.import_optional("jax._src.tpu_custom_call")
+    wrap(module, "get_ir_version", current_version, hooks, is_ours=lambda f: hasattr(f, "pallas_guard_lowering"))
+
+
 def check(build: Callable[[], Any], args: tuple[Any, ...], kwargs: dict[str, Any], target: Target) -> Outcome:
     """Lower the kernel ``build`` returns, called with the shapes of ``args``/``kwargs``, for
     ``target``, with its abstract device presented."""
     import jax
 
+    from . import _install
+
     missing = lowering_api()
     if missing is not None:
         return Outcome(f"lowering: not checked: {missing}")
     avals, kwavals = _avals((args, kwargs))
+    hook(_install.installation.hooks)
+    token = _as_the_target.set(True)
     try:
         with _device.presented(target.device):
             jax.jit(build()).trace(*avals, **kwavals).lower(lowering_platforms=(target.platform,))
@@ -133,6 +158,8 @@ def check(build: Callable[[], Any], args: tuple[Any, ...], kwargs: dict[str, Any
         if isinstance(error, ImportError) or any(words in first for words in _NOT_THE_KERNELS):
             return Outcome(f"lowering: not checked for {target.describe()}: {first}")
         return Outcome(f"lowering: refused by {target.describe()}", refused=error, target=target)
+    finally:
+        _as_the_target.reset(token)
     return Outcome(f"lowering: lowers for {target.describe()}")
 
 

@@ -821,7 +821,8 @@ def test_each_guard_failure_is_short_at_the_users_line_with_the_message_once(tes
         if tb == "--tb=short":
             assert len(section) <= 25, (name, len(section), section)
     # Every kernel counted, whatever became of its test: the warned ones failed on their warning.
-    result.stdout.fnmatch_lines(["7 Pallas kernel(s): 4 interpreted (plain: 4), 3 refused, 0 left alone; in 7 test(s)"])
+    summary = "7 Pallas kernel(s): 4 interpreted (plain: 4), 3 refused, 0 left alone; in 7 test(s)"
+    result.stdout.fnmatch_lines([f"{summary}; 2 finding(s) (bounds: 2)"])
 
 
 def test_one_reason_sentence_in_the_record_the_details_and_the_durations(tester: pytest.Pytester) -> None:
@@ -875,9 +876,11 @@ def test_jit():
     details = [line for line in result.outlines if line.startswith("INTERPRETED")]
     assert len(details) == 2 and all(", 1 grid step): " in line for line in details)
     checks = [line.strip() for line in result.outlines if line.strip().startswith("checks of add_one_kernel: ")]
-    agree = "agree: plain, tpu agree bit for bit"
+    agree = "agree: plain, tpu agree"
     lowering = "lowering: lowers for tpu (TPU v5 lite, the device setting)"
-    assert checks == [f"checks of add_one_kernel: {agree}; {lowering}"] * 2
+    # Under jit the interpreters are compared when the computation runs: the verdict joins then.
+    assert len(checks) == 2
+    assert all(sorted(line.split(": ", 1)[1].split("; ")) == [agree, lowering] for line in checks), checks
     assert f"check (2 kernel(s)): {agree}" in result.outlines
 
 
