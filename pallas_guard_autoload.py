@@ -234,7 +234,7 @@ def _word_of_int(value: object) -> str | None:
     return str(value) if value.bit_length() <= 64 else "9" * (_MAX_INT_DIGITS + 1)
 
 
-CHECKS = ("races", "bounds", "agree", "lowering")
+CHECKS = ("races", "bounds", "agree", "lowering", "compile")
 
 
 def _checks(word: str) -> "frozenset[str] | None":
@@ -335,12 +335,14 @@ OPTIONS = {
             CHECKS_ENV,
             "set of checks",
             _checks,
-            "'races', 'bounds', 'agree', 'lowering' (comma-separated), 'all' or 'none'",
+            "'races', 'bounds', 'agree', 'lowering', 'compile' (comma-separated), 'all' or 'none'",
             frozenset(),
             "check interpreted kernels: races (data races; moves a kernel to the interpreter that detects "
             "them), bounds (an out-of-bounds index raises; in every interpreter), agree (the first call runs "
-            "in every interpreter that can run the kernel, and their outputs must agree bit for bit), lowering "
-            "(the first call also lowers the kernel for its real target, TPU or GPU, as JAX does there)",
+            "in every interpreter that can run the kernel, and their outputs must agree where the kernel wrote), "
+            "lowering (the first call also lowers the kernel for its real target, TPU or GPU, as JAX does "
+            "there), compile (a Mosaic-TPU kernel is also compiled by the TPU's own compiler, libtpu, for the "
+            "device's generation)",
             word_of=_word_of_checks,
             also=" or a list of str",
             vocabulary=(*CHECKS, "all", "none"),

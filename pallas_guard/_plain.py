@@ -7,13 +7,14 @@ the lowering net lowers (or the engine traces) the plain interpreter inside :fun
 write-back of a block of an operand the kernel never writes (no write or accumulate effect on its
 ref) gives back the carried operand unchanged. That write would have put back the very block just
 read from the same carried array at the same start, so the values are the same; and each skipped
-operand is presented to XLA as JAX's loop presents it (loop-invariant where its block never moves,
-loop-variant behind an optimization barrier where it does), so that XLA compiles the kernel's own
-arithmetic as it does in JAX's loop and the result is the same bit for bit. An aliased
-input/output pair that JAX's loop keeps in step by assigning one carried array to the other (a
-whole copy per step) is carried once (:class:`_SharingLoops`). Both wrappers act only inside
-:func:`linear`; elsewhere, and with the ``fast_plain`` setting off, JAX's interpreter runs as it
-ships.
+operand is presented to XLA as JAX's loop presents it (loop-invariant where its block is the whole
+operand, loop-variant behind an optimization barrier otherwise), so that XLA compiles the kernel's
+own arithmetic as it does in JAX's loop and the result is the same bit for bit; where the loop
+would then move too few bytes per step for XLA to compile it as it compiles JAX's
+(``SMALL_LOOP_BYTES``), nothing is left out. An aliased input/output pair that JAX's loop keeps
+in step by assigning one carried array to the other (a whole copy per step) is carried once
+(:class:`_SharingLoops`). Both wrappers act only inside :func:`linear`; elsewhere, and with the
+``fast_plain`` setting off, JAX's interpreter runs as it ships.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ import contextlib
 import contextvars
 import dataclasses
 import itertools
+import math
+import os
+import re
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -36,8 +40,6 @@ class _Skipping:
 
     blocks: int
     written: frozenset[int]
-    still: frozenset[int]
-    """The block operands whose block index is the same at every grid step."""
     aliased: tuple[tuple[int, int], ...]
     """Each aliased pair as (input, output) positions among the block operands."""
     calls: Iterator[int] = dataclasses.field(default_factory=itertools.count)
@@ -53,6 +55,21 @@ the tests compare (``tests/test_fast_plain.py``: the corpus and the guard's own 
 0.8.3, 0.9.2, 0.10.2, 0.11.2 and 0.12.0.1). jax 0.7.2's XLA rounds the layer-norm and RMS-norm
 backward kernels differently once any write-back is left out (bare or behind a barrier): there the
 plain interpreter runs as JAX ships it, correct before fast."""
+
+
+SMALL_LOOP_BYTES = 1024
+"""The most bytes one grid step may move for XLA's CPU compiler to compile the grid loop as one
+"small" call (another code generator, which rounds a kernel's arithmetic otherwise), in the jax
+releases where a threshold applies (0.8.3 to 0.11.2 measured: 1 KiB at most); from
+``EVERY_LOOP_SMALL_FROM`` every loop is compiled that way. Leaving write-backs out moves fewer bytes
+per step, so a loop JAX's interpreter makes large can become small: the guard leaves them out only
+where the blocks still written back move twice this much per step, above it in both loops."""
+
+EVERY_LOOP_SMALL_FROM = (0, 12)
+"""The first jax release whose XLA compiles every grid loop as one small call (blocks of 16 MiB
+measured), JAX's and the guard's alike: no step is too small for the fast path there."""
+
+_THRESHOLD_FLAG = re.compile(r"xla_cpu_small_while_loop_byte_threshold=(-?\d+)")
 
 
 def enabled() -> bool:
@@ -86,11 +103,12 @@ def _skipping_write_back(write_back: Callable[..., Any]) -> Callable[..., Any]:
         if skipping is None or operand in skipping.written:
             return write_back(start, block_shape, value, update, *rest)
         # The operand is presented to XLA as JAX's loop presents it, so that XLA compiles the body
-        # the same way (its arithmetic, fused otherwise, rounds otherwise): the write-back of a
-        # block at the same index every step is folded away by XLA in JAX's loop too (the operand
-        # is loop-invariant there); a moving block's write-back keeps the operand loop-variant,
-        # which an optimization barrier does here without the copy.
-        if operand in skipping.still:
+        # the same way (its arithmetic, fused otherwise, rounds otherwise). Only a block that is the
+        # whole (padded) operand has its write-back folded away by XLA in JAX's loop (its slice and
+        # its update are the operand itself, wherever the index map points), leaving the operand
+        # loop-invariant; any smaller block's write-back keeps the operand loop-variant, even at the
+        # same index every step, which an optimization barrier does here without the copy.
+        if tuple(value.shape) == tuple(block_shape):
             return value
         from jax import lax
 
@@ -164,8 +182,8 @@ def linear(params: Mapping[str, Any]) -> Iterator[None]:
         written = _internals.written_blocks(params)
         blocks = len(getattr(params.get("grid_mapping"), "block_mappings", None) or ())
         aliased = _aliased_blocks(params, blocks)
-        if written is not None and blocks and (len(written) < blocks or aliased):
-            state = _Skipping(blocks, written, _still_blocks(params), aliased)
+        if written is not None and blocks and (len(written) < blocks or aliased) and _stays_large(params, written):
+            state = _Skipping(blocks, written, aliased)
     token = _skipping.set(state)
     try:
         yield
@@ -197,23 +215,27 @@ def _aliased_blocks(params: Mapping[str, Any], blocks: int) -> tuple[tuple[int, 
     return tuple((into - first, blocks - outputs + out) for into, out in pairs if 0 <= into - first < blocks - outputs)
 
 
-def _still_blocks(params: Mapping[str, Any]) -> frozenset[int]:
-    """The block operands whose index map returns the same block at every grid step: no output
-    of its jaxpr depends on its inputs (the grid indices, scalar prefetch)."""
-    still = set()
-    for position, mapping in enumerate(getattr(params.get("grid_mapping"), "block_mappings", None) or ()):
-        closed = getattr(mapping, "index_map_jaxpr", None)
-        jaxpr: Any = getattr(closed, "jaxpr", closed)
-        if not hasattr(jaxpr, "eqns"):
-            continue  # unknown: treated as moving (the barrier), JAX's loop-variant operand
-        moving = set(jaxpr.invars)
-        for eqn in jaxpr.eqns:
-            if any(var in moving for var in eqn.invars if not _is_literal(var)):
-                moving.update(eqn.outvars)
-        if not any(var in moving for var in jaxpr.outvars if not _is_literal(var)):
-            still.add(position)
-    return frozenset(still)
-
-
-def _is_literal(var: Any) -> bool:
-    return hasattr(var, "val")  # a jaxpr Literal: a constant, never an input
+def _stays_large(params: Mapping[str, Any], written: frozenset[int]) -> bool:
+    """The grid loop is compiled as JAX's is, small or not (``SMALL_LOOP_BYTES``): every loop is
+    small in this jax, or the blocks the kernel writes (written back in both loops) move enough bytes
+    per step to keep both large. An unknown block size counts as too small."""
+    flag = _THRESHOLD_FLAG.search(os.environ.get("XLA_FLAGS", ""))
+    if flag is not None:
+        threshold = int(flag.group(1))
+    else:
+        release = _internals.jax_release()
+        if release and release >= EVERY_LOOP_SMALL_FROM:
+            return True
+        threshold = SMALL_LOOP_BYTES
+    if threshold <= 0:
+        return True  # no loop is small
+    mappings = getattr(params.get("grid_mapping"), "block_mappings", None) or ()
+    moved = 0
+    for position in written:
+        aval = getattr(mappings[position], "transformed_block_aval", None)
+        itemsize = getattr(getattr(aval, "dtype", None), "itemsize", None)
+        shape = getattr(aval, "shape", None)
+        if not isinstance(itemsize, int) or shape is None:
+            return False
+        moved += math.prod(shape) * itemsize
+    return moved >= 2 * threshold

@@ -290,25 +290,56 @@ def test_bounds_finding_still_found_with_the_fast_path(guard: Callable[..., None
         jax.block_until_ready(call(x))
 
 
-def test_a_block_that_never_moves_is_told_from_one_that_does() -> None:
-    """The write-back left out is presented to XLA as in JAX's loop: bare for a block at the same
-    index at every step (a shared weight), behind a barrier for a block that moves."""
-    from pallas_guard import _internals, _plain
+def _weighted(x: jax.Array, w: jax.Array) -> jax.Array:
+    """``w`` read through one block of ``x``'s size at the same index at every step."""
 
     def kernel(x_ref, w_ref, o_ref):  # type: ignore[no-untyped-def]
         o_ref[...] = x_ref[...] * w_ref[...]
 
-    def call(x: jax.Array, w: jax.Array) -> jax.Array:
-        moving = pl.BlockSpec((8, 128), lambda i: (i, 0))
-        return pl.pallas_call(
-            kernel,
-            out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
-            grid=(x.shape[0] // 8,),
-            in_specs=[moving, pl.BlockSpec((1, 128), lambda i: (0, 0))],
-            out_specs=moving,
-            interpret=True,
-        )(x, w)
+    block = (8, x.shape[1])
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+        grid=(x.shape[0] // 8,),
+        in_specs=[pl.BlockSpec(block, lambda i: (i, 0)), pl.BlockSpec(block, lambda i: (0, 0))],
+        out_specs=pl.BlockSpec(block, lambda i: (i, 0)),
+        interpret=True,
+    )(x, w)
 
-    closed = jax.make_jaxpr(call)(jnp.zeros((32, 128)), jnp.zeros((1, 128)))
-    (eqn,) = [e for e in _internals.jaxpr_equations(closed) if "grid_mapping" in e.params]
-    assert _plain._still_blocks(eqn.params) == frozenset({1})
+
+def _lowered(guard: Callable[..., None], fast: bool, function: Callable[..., Any], *args: jax.Array) -> str:
+    guard("interpret", fast_plain=fast)
+    jax.clear_caches()
+    return str(jax.jit(function).lower(*args).as_text())
+
+
+@needs_exact_xla
+@pytest.mark.parametrize(("weight_rows", "barriers"), [(8, 1), (64, 2)])
+def test_a_block_left_out_is_bare_only_where_it_is_the_whole_operand(
+    guard: Callable[..., None], weight_rows: int, barriers: int
+) -> None:
+    """The write-back left out is presented to XLA as in JAX's loop, where XLA folds it away only
+    for a block that is the whole operand (loop-invariant there): bare for it; behind a barrier
+    (loop-variant) for any other block, a weight block at the same index at every step included."""
+    x, w = jnp.zeros((64, 128), jnp.float32), jnp.zeros((weight_rows, 128), jnp.float32)
+    assert _lowered(guard, True, _weighted, x, w).count("optimization_barrier") == barriers
+    assert _lowered(guard, False, _weighted, x, w).count("optimization_barrier") == 0
+
+
+@needs_exact_xla
+def test_a_step_below_the_small_loop_threshold_runs_as_shipped(
+    guard: Callable[..., None], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Blocks of 8 x 8 float32 (256 bytes a step written back): a loop XLA would compile as one small
+    call once the read-only write-backs are left out, and JAX's not, so the guard leaves them in,
+    except where this XLA compiles every loop so (or the threshold is set to 0: none)."""
+    from pallas_guard import _internals, _plain
+
+    x = jnp.zeros((64, 8), jnp.float32)
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    shipped = _lowered(guard, False, elementwise, x, x).count("dynamic_update_slice")
+    fast = _lowered(guard, True, elementwise, x, x).count("dynamic_update_slice")
+    every_loop_small = _internals.jax_release() >= _plain.EVERY_LOOP_SMALL_FROM
+    assert fast == (shipped - 2 if every_loop_small else shipped)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_backend_extra_options=xla_cpu_small_while_loop_byte_threshold=0")
+    assert _lowered(guard, True, elementwise, x, x).count("dynamic_update_slice") == shipped - 2

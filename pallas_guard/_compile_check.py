@@ -1,0 +1,102 @@
+"""The ``compile`` check: a Mosaic-TPU kernel the guard interprets is also compiled by the TPU's
+own compiler (libtpu, deviceless, on the CPU host), for the device setting's TPU generation.
+
+JAX's Python lowering is the first of three places a TPU refuses a kernel; libtpu's Mosaic passes
+are the second (VMEM exhaustion, vector types a generation cannot load, lane offsets it cannot
+prove aligned). libtpu compiles for a topology with no hardware (``_tpu_compile``), so a CPU run
+gives the TPU's verdict and the TPU's message. A refusal is a finding that is also an instance of
+the error the TPU raises (``MosaicError``, ``JaxRuntimeError`` for resource limits), so a test
+that expects the TPU to refuse a kernel passes on a CPU too; a kernel that compiles is silent, and
+its decision says what VMEM and SMEM it uses against the generation's limit.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Any
+
+from . import _checks, _diagnostics, _lowering_check, _settings, _tpu_compile
+from ._errors import PallasGuardError
+
+if TYPE_CHECKING:
+    from ._engine import Run
+
+DEFAULT_GENERATION = "tpu-v5e"
+
+
+class Compile(_checks.Check):
+    name = "compile"
+    at_front_door = True
+
+    def before(self, run: Run, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _checks.Prepared:
+        __tracebackhide__ = True
+        target = _lowering_check.target_for(run.kernel.facts.family, _settings.current("device").value)
+        if isinstance(target, str) or target.platform != "tpu":
+            return _checks.Prepared("compile: not checked: not a TPU kernel (the TPU's compiler judges TPU kernels)")
+        if run.kernel.entry.runs_when_applied:
+            return _checks.Prepared(f"compile: not checked: {run.kernel.entry.label} runs when built")
+        missing = _tpu_compile.available()
+        if missing is not None:
+            return _checks.Prepared(f"compile: not checked: {missing}")
+        generation = target.device if target.device in _tpu_compile.GENERATIONS else DEFAULT_GENERATION
+        outcome = _tpu_compile.compile_kernel(run.kernel.build, args, kwargs, generation)
+        if outcome.unchecked is not None:
+            return _checks.Prepared(f"compile: not checked for {generation}: {outcome.unchecked}")
+        if outcome.error is None:
+            return _checks.Prepared(f"compile: compiles for {generation}{usage(outcome)}")
+        error = _diagnostics.lowering_refused(
+            kernel=run.kernel.info,
+            call_site=run.call_site,
+            target=f"{generation} ({target.source})",
+            error=outcome.error,
+            source=_settings.stated("checks"),
+            check=self.name,
+        )
+        finding = as_the_targets(error, outcome.error)
+        raise _checks.found(self.name, finding, kernel=run.kernel.info, call_site=run.call_site) from None
+
+
+def usage(outcome: _tpu_compile.Outcome) -> str:
+    """``: VMEM 1.0 MiB of 16.0 MiB, SMEM 8 B of 1.0 MiB`` where the compiler said."""
+    parts = []
+    if outcome.vmem_used is not None and outcome.vmem_limit:
+        parts.append(f"VMEM {_size(outcome.vmem_used)} of {_size(outcome.vmem_limit)}")
+    if outcome.smem_used is not None and outcome.smem_limit:
+        parts.append(f"SMEM {_size(outcome.smem_used)} of {_size(outcome.smem_limit)}")
+    return f": {', '.join(parts)}" if parts else ""
+
+
+def _size(count: int) -> str:
+    for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if count >= scale:
+            return f"{count / scale:.1f} {unit}"
+    return f"{count} B"
+
+
+def as_the_targets(finding: PallasGuardError, refusal: BaseException) -> PallasGuardError:
+    """``finding`` as an instance of both ``PallasGuardError`` and the type the TPU raised (where
+    Python allows the two as bases), so that ``except MosaicError`` catches it as on the chip."""
+    cls = _both(type(refusal))  # type: ignore[arg-type]
+    if cls is PallasGuardError:
+        return finding
+    both = cls(*finding.args)
+    both.__dict__.update(getattr(finding, "__dict__", {}))
+    return both
+
+
+@functools.cache
+def _both(refused: type[BaseException]) -> type[PallasGuardError]:
+    if issubclass(refused, PallasGuardError) or not issubclass(refused, Exception):
+        return PallasGuardError
+    try:
+        # The message is ours: the refusal's own __init__/__str__ (JaxRuntimeError's are C++ ones
+        # that read fields of their own) are not asked for it.
+        namespace = {"__module__": "pallas_guard", "__init__": Exception.__init__, "__str__": Exception.__str__}
+        cls: type[PallasGuardError] = type("PallasGuardError", (PallasGuardError, refused), namespace)
+    except TypeError:  # a base Python cannot combine with ValueError's layout
+        return PallasGuardError
+    cls.__qualname__ = f"PallasGuardError[{refused.__qualname__}]"
+    return cls
+
+
+CHECK = Compile()

@@ -1,0 +1,127 @@
+"""The compile check: a Mosaic-TPU kernel the guard interprets is also compiled by libtpu for the
+device's TPU generation, on this CPU; a refusal is a finding of the TPU's own error type.
+
+Needs libtpu next to jax (``.ci/run tpu`` installs it); elsewhere only the note that says how to
+install it is tested.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+import pallas_guard
+from pallas_guard import PallasGuardError, _tpu_compile
+
+needs_libtpu = pytest.mark.skipif(_tpu_compile.available() is not None, reason=str(_tpu_compile.available()))
+
+
+def add_one(x_ref, o_ref):  # type: ignore[no-untyped-def]
+    o_ref[...] = x_ref[...] + 1
+
+
+def _kernel(shape: tuple[int, int], dtype: Any, block: tuple[int, int] | None = None) -> Any:
+    block = block or shape
+    spec = pl.BlockSpec(block, lambda i: (i, 0))
+    return pl.pallas_call(
+        add_one,
+        out_shape=jax.ShapeDtypeStruct(shape, dtype),
+        grid=(shape[0] // block[0],),
+        in_specs=[spec],
+        out_specs=spec,
+        compiler_params=pltpu.CompilerParams(),
+    )
+
+
+def _unchecked(call: Any, x: Any) -> bytes:
+    with pallas_guard.policy(checks="none"):
+        return np.asarray(call(x)).tobytes()
+
+
+@needs_libtpu
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "jit"])
+def test_a_kernel_that_compiles_is_silent_bit_identical_and_says_what_it_spends(guard: Any, traced: bool) -> None:
+    guard("interpret", checks="compile")
+    call = _kernel((64, 128), jnp.float32, (8, 128))
+    x = jnp.arange(64 * 128, dtype=jnp.float32).reshape(64, 128)
+    out = (jax.jit(call) if traced else call)(x)
+    assert np.asarray(out).tobytes() == _unchecked(call, x)
+    notes = [n for d in pallas_guard.decisions() for n in d.notes if n.startswith("compile:")]
+    assert notes and notes[0].startswith("compile: compiles for tpu-v5e: VMEM ") and " of 16.0 MiB" in notes[0]
+
+
+@needs_libtpu
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize(
+    ("shape", "dtype", "said"),
+    [
+        ((4096, 8192), jnp.float32, "Ran out of memory in memory space vmem"),
+        ((64, 128), jnp.float16, "Invalid vector type for load"),
+    ],
+    ids=["vmem overflow", "float16 on v5e"],
+)
+def test_what_the_tpu_compiler_refuses_is_a_finding_of_its_type(
+    guard: Any, traced: bool, shape: tuple[int, int], dtype: Any, said: str
+) -> None:
+    guard("interpret", checks="compile")
+    call = _kernel(shape, dtype)
+    with pytest.raises(jax.errors.JaxRuntimeError) as raised:  # as the TPU raises it
+        (jax.jit(call) if traced else call)(jnp.zeros(shape, dtype))
+    assert isinstance(raised.value, PallasGuardError)
+    text = str(raised.value)
+    assert "found by the compile check" in text and "for tpu-v5e" in text and said in text
+    assert "add_one" in text and "test_compile_check.py" in text
+    found = [d for d in pallas_guard.decisions() if d.action == "found"]
+    assert [d.check for d in found] == ["compile"]
+
+
+@needs_libtpu
+def test_each_generation_has_its_own_limit() -> None:
+    """One 32 MiB block in and one out need 64 MiB of scoped VMEM: v5e refuses them at its default
+    16 MiB scoped limit, and so does v4 (the compiler's own verdict and message, per generation)."""
+    x = jnp.zeros((2048, 4096), jnp.float32)
+    verdicts = {}
+    for device in ("tpu-v5e", "tpu-v4"):
+        pallas_guard.install("interpret", checks="compile", device=device)
+        call = _kernel((2048, 4096), jnp.float32)  # built under the guard, as a user's kernel is
+        try:
+            call(x)
+            verdicts[device] = "compiles"
+        except PallasGuardError as error:
+            verdicts[device] = str(error)
+        pallas_guard.uninstall()
+    for device, verdict in verdicts.items():
+        assert f"for {device}" in verdict and "vmem" in verdict.lower(), verdicts
+    assert "limit 16.00M" in verdicts["tpu-v5e"], verdicts
+
+
+def test_without_libtpu_the_decision_says_how_to_install_it(guard: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_tpu_compile, "available", lambda: "libtpu is not installed: pip install 'libtpu==0.0.1'")
+    guard("interpret", checks="compile")
+    call = _kernel((64, 128), jnp.float32)
+    call(jnp.zeros((64, 128)))
+    notes = [n for n in pallas_guard.decisions()[-1].notes if n.startswith("compile:")]
+    assert notes == ["compile: not checked: libtpu is not installed: pip install 'libtpu==0.0.1'"]
+
+
+def test_a_triton_kernel_is_not_compiled_for_a_tpu(guard: Any) -> None:
+    from jax.experimental.pallas import triton as pltriton
+
+    guard("interpret", checks="compile", device="tpu-v5e")
+    spec = pl.BlockSpec((16, 128), lambda i: (i, 0))
+    call = pl.pallas_call(
+        add_one,
+        out_shape=jax.ShapeDtypeStruct((32, 128), jnp.float32),
+        grid=(2,),
+        in_specs=[spec],
+        out_specs=spec,
+        compiler_params=pltriton.CompilerParams(num_warps=4),
+    )
+    call(jnp.zeros((32, 128)))
+    assert any(n.startswith("compile: not checked: not a TPU kernel") for n in pallas_guard.decisions()[-1].notes)
