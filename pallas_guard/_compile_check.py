@@ -35,6 +35,9 @@ class Compile(_checks.Check):
             return _checks.Prepared("compile: not checked: not a TPU kernel (the TPU's compiler judges TPU kernels)")
         if run.kernel.entry.runs_when_applied:
             return _checks.Prepared(f"compile: not checked: {run.kernel.entry.label} runs when built")
+        aborting = _aborting_memory_space(run.kernel.kwargs)
+        if aborting is not None:
+            return _checks.Prepared(f"compile: not checked: libtpu aborts the process on {aborting} operands")
         missing = _tpu_compile.available()
         if missing is not None:
             return _checks.Prepared(f"compile: not checked: {missing}")
@@ -54,6 +57,23 @@ class Compile(_checks.Check):
         )
         finding = as_the_targets(error, outcome.error)
         raise _checks.found(self.name, finding, kernel=run.kernel.info, call_site=run.call_site) from None
+
+
+def _aborting_memory_space(kwargs: dict[str, Any]) -> str | None:
+    """A memory space of the kernel's operands that libtpu 0.0.42 refuses by aborting the whole
+    process (a fatal check, not an error), seen on JAX's own TPU tests: host memory, a semaphore
+    output. Such a kernel is not compiled in this process."""
+    import jax
+
+    specs = [kwargs.get(name) for name in ("in_specs", "out_specs", "out_shape")]
+    grid_spec = kwargs.get("grid_spec")
+    specs += [getattr(grid_spec, name, None) for name in ("in_specs", "out_specs")]
+    for leaf in jax.tree_util.tree_leaves(specs, is_leaf=lambda x: hasattr(x, "memory_space")):
+        space = str(getattr(leaf, "memory_space", "") or "").lower()
+        for word in ("host", "semaphore", "sflag"):
+            if word in space:
+                return space
+    return None
 
 
 def usage(outcome: _tpu_compile.Outcome) -> str:
