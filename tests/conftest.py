@@ -21,7 +21,7 @@ from pallas_guard import _record, _settings
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # A user's project, run by tests/test_quickstart.py under the guard; not tests of this suite.
-collect_ignore = ["quickstart"]
+collect_ignore = ["quickstart", "jax_suite"]  # jax_suite: JAX's own tests, run by tests/jax_suite/run.py
 
 # `import pallas_guard` installed the guard with the environment's policy; tests opt in instead.
 pallas_guard.uninstall()
