@@ -101,7 +101,11 @@ class Agree(_checks.Check):
             return None
         names = _pool(run)
         if not run.eager:
-            # Nothing runs while tracing: the comparison is traced into the computation (after()).
+            # Nothing runs while tracing: the comparison is traced into the computation (after()),
+            # where it can be: under jit alone, with a grid of known size.
+            why = _not_traceable(run, args, kwargs)
+            if why is not None:
+                return _checks.Prepared(f"agree: not checked: {why}", settles=False)
             self._at_run_time.add(run)
             return _checks.Prepared(settles=False)
         outputs: dict[str, Any] = {}
@@ -148,6 +152,20 @@ class Agree(_checks.Check):
     def _finding(self, run: Run, found: Disagreement, compared: Sequence[str]) -> PallasGuardError:
         error = _diagnostics.disagreement(found, kernel=run.kernel.info, call_site=run.call_site, compared=compared)
         return _checks.found(self.name, error, kernel=run.kernel.info, call_site=run.call_site)
+
+
+def _not_traceable(run: Run, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+    """Why the comparison cannot be traced into this computation, or None: operands of another
+    transformation than jit (vmap's batched values), or a grid whose size is traced."""
+    import jax
+
+    grid = run.kernel.grid
+    if grid is not None and not all(isinstance(size, int) for size in grid):
+        return "the grid's size is traced"
+    for leaf in jax.tree_util.tree_leaves((args, kwargs)):
+        if isinstance(leaf, jax.core.Tracer) and type(leaf).__name__ != "DynamicJaxprTracer":
+            return f"called under a transformation other than jit ({type(leaf).__name__})"
+    return None
 
 
 def _pool(run: Run) -> list[str]:

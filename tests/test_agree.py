@@ -166,3 +166,12 @@ def test_nan_payloads_are_equal_and_ulps_are_counted_across_zero() -> None:
     assert _agree._close(a, b, 1).tolist() == [True, True, True, False]
     assert _agree._close(a, b, 2).tolist() == [True, True, True, True]
     assert functools.reduce(max, _agree._ulp_distance(a[1:], b[1:]).tolist()) == 2
+
+
+def test_under_vmap_the_comparison_is_not_traced_and_the_note_says_so(guard: Any) -> None:
+    guard("interpret", checks="agree")
+    call = _rows(transcendental, rows=8)
+    out = jax.vmap(call)(jnp.stack([_x(rows=8)] * 2))
+    np.testing.assert_array_equal(out[0], out[1])
+    notes = pallas_guard.decisions()[-1].notes
+    assert any(note.startswith("agree: not checked: called under a transformation other than jit") for note in notes)
