@@ -62,7 +62,7 @@ def test_options_declare_each_setting_once() -> None:
         ("policy", " Strict\n", "strict"),
         ("interpreter", "\tTPU", "tpu"),
         ("checks", " Races, BOUNDS", frozenset({"races", "bounds"})),
-        ("checks", "all", frozenset({"races", "bounds", "agree", "lowering"})),
+        ("checks", "all", frozenset({"races", "bounds", "agree", "lowering", "compile"})),
         ("checks", "None", frozenset()),
         ("max_steps", " 512 ", 512),
     ],
