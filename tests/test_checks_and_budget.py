@@ -176,9 +176,11 @@ def test_a_kernel_no_interpreter_can_check_for_races_runs_unchecked_and_the_reco
     (decision,) = [d for d in pallas_guard.decisions() if d.action == "interpreted"]
     assert decision.interpreter == "plain"
     assert decision.called_at == f"{__file__}:{line_of('CALL-SITE-TRITON')}"
-    note, lowered = decision.notes
-    # "all" lowers it for its target too: a Triton kernel for cuda, on the family's default device.
+    note, lowered, compiled = decision.notes
+    # "all" lowers it for its target too: a Triton kernel for cuda, on the family's default device;
+    # the TPU's compiler has nothing to say of it.
     assert lowered == "lowering: lowers for cuda (NVIDIA H100 80GB HBM3, the default for triton kernels)"
+    assert compiled.startswith("compile: not checked: not a TPU kernel")
     # Bounds are checked in the plain interpreter; races only TPU interpret mode could find.
     assert "runs unchecked: races could not be checked: Triton kernels run in the plain interpreter" in note
 
