@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import weakref
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from . import _checks, _diagnostics, _findings, _internals, _interpreters, _record
@@ -134,7 +134,7 @@ class Agree(_checks.Check):
             run.settle(key, (chosen, (*tried, f"agree: {verdict}")))
             return _checks.Prepared(outputs=outputs[chosen])
         run.settle(key, (found.right, (*tried, f"agree: {found.first} and {found.second} disagree")))
-        raise self._finding(run, found, ran) from None
+        raise self.disagreement(run, found, ran) from None
 
     def __init__(self) -> None:
         self._at_run_time: weakref.WeakSet[Run] = weakref.WeakSet()
@@ -149,7 +149,8 @@ class Agree(_checks.Check):
         if others:
             _compare_when_run(self, run, out, interpreter, others=others, args=args, kwargs=kwargs)
 
-    def _finding(self, run: Run, found: Disagreement, compared: Sequence[str]) -> PallasGuardError:
+    def disagreement(self, run: Run, found: Disagreement, compared: Sequence[str]) -> PallasGuardError:
+        """The finding for ``found``, recorded as a decision."""
         error = _diagnostics.disagreement(found, kernel=run.kernel.info, call_site=run.call_site, compared=compared)
         return _checks.found(self.name, error, kernel=run.kernel.info, call_site=run.call_site)
 
@@ -176,11 +177,6 @@ def _pool(run: Run) -> list[str]:
     pool = (*run.candidates.names, "plain", "tpu", *(("gpu",) if family == "mosaic_gpu" else ()))
     names = [n for n in dict.fromkeys(pool) if _interpreters.available(n)]
     return [n for n in names if _interpreters.gets_wrong(n, run.kernel.facts) is None]
-
-
-_gate_lock = threading.Lock()
-_compared: set[Hashable] = set()
-"""Kernel identities and shapes whose traced comparison ran (once per process)."""
 
 
 def _compare_when_run(
@@ -212,9 +208,10 @@ def _compare_when_run(
     fills = _fills(run, names, out)
 
     def first_run() -> Any:
-        with _gate_lock:
-            opened = key not in _compared
-            _compared.add(key)
+        # Kept where the guard keeps its choices (the ledger), which uninstall() clears: a kernel
+        # compared before is compared again after a reinstall.
+        opened = run.settled(key) is None
+        run.settle(key, ("agree", ()))
         return np.bool_(opened)
 
     def compare_on_host(chosen_out: Any, *other_outs: Any) -> None:
@@ -225,7 +222,7 @@ def _compare_when_run(
         else:
             verdict = f"agree: {found.first} and {found.second} disagree"
             run.settle(run.settled_key(args, kwargs), (found.right, (verdict,)))
-            _findings.record(check._finding(run, found, names))  # noqa: SLF001 - the check's own finding
+            _findings.record(check.disagreement(run, found, names))
 
     def compare_now(operands: Any) -> None:
         chosen_out, call_args, call_kwargs = operands

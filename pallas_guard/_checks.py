@@ -1,11 +1,12 @@
 """The checks: one protocol the engine calls, one module per check.
 
 A check says what it needs before a kernel runs (``before``: lower or compile the kernel for its
-target, run it in every interpreter), how it changes the interpretation (``interpretation``: the
-interpreter it needs, the marks that make the lowering net check accesses), and what it inspects
-after the run (``after``: the interpreter's race state). The engine calls the checks in force in
-the order of the settings table; adding a check means its module, a row here and the name in the
-settings table (``pallas_guard_autoload.CHECKS``), nothing else.
+target, run it in every interpreter), which failure of a run is its finding (``finding``), and what
+it inspects after the run (``after``: the interpreter's race state). The interpreter a check needs
+is the interpreter choice's business (``_interpreters.candidates``), and the bounds check works
+inside the plain interpretation, where the lowering net lowers it. The engine calls the checks in
+force in ``ORDER``; adding a check means its module, a line in ``ORDER`` and ``_check``, and the name
+in the settings table (``pallas_guard_autoload.CHECKS``), nothing else.
 
 Every finding of every check goes through :func:`found`: recorded as a decision (action
 ``found``, with the check's name) and returned as the ``PallasGuardError`` the caller raises; a
@@ -101,7 +102,6 @@ def found(
     *,
     kernel: KernelInfo,
     call_site: CallSite,
-    platforms: tuple[str, ...] = ("cpu",),
     interpreter: str | None = None,
 ) -> PallasGuardError:
     """A finding of ``check``: recorded as a decision, returned for the caller to raise."""
@@ -111,7 +111,7 @@ def found(
     _record.note(
         kernel,
         called_at=call_site,
-        platforms=platforms,
+        platforms=("cpu",),  # a finding is made where the guard interprets: on the CPU
         policy=policy.value,
         action="found",
         interpreter=interpreter,

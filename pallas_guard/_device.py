@@ -23,21 +23,24 @@ from . import _internals, _settings, _target
 from ._enums import Policy
 
 
-def abstract_device(name: str) -> Any:
-    """JAX's ``AbstractDevice`` for a device short name (jax < 0.10 takes no platform)."""
+def abstract_device(name: str, *, like: Any = None) -> Any:
+    """JAX's ``AbstractDevice`` for a device short name (jax < 0.10 takes no platform); ``like``: a
+    device (a TPU topology's) whose own kind and core count are presented instead."""
     import jax
 
     kind, cores, platform = DEVICES[name]
+    if like is not None:
+        kind, cores = like.device_kind, getattr(like, "num_cores", cores)
     try:
         return jax.sharding.AbstractDevice(kind, cores, platform)
     except TypeError:
         return jax.sharding.AbstractDevice(kind, cores)  # type: ignore[call-arg]
 
 
-def _abstract_mesh(name: str) -> Any:
+def _abstract_mesh(name: str, *, like: Any = None) -> Any:
     import jax
 
-    return jax.sharding.AbstractMesh((), (), abstract_device=abstract_device(name))
+    return jax.sharding.AbstractMesh((), (), abstract_device=abstract_device(name, like=like))
 
 
 def cores(name: str | None) -> int | None:
@@ -149,9 +152,10 @@ def scoped() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def presented(name: str) -> Iterator[None]:
-    """Device ``name`` presented while JAX lowers for its platform (the lowering check), where no
-    mesh of the user's own is in force; the user's own mesh wins, as everywhere."""
+def presented(name: str, *, like: Any = None) -> Iterator[None]:
+    """Device ``name`` presented while JAX lowers for its platform (the lowering and compile
+    checks), where no mesh of the user's own is in force; the user's own mesh wins, as everywhere.
+    ``like``: the real device compiled for, whose kind and cores are presented (a topology's)."""
     holder = _internals.abstract_mesh_config()
     if holder is None:
         yield
@@ -160,7 +164,7 @@ def presented(name: str) -> Iterator[None]:
 
     current = holder.value
     if _free(current) or (_process.ours is not None and current is _process.ours):
-        with jax.sharding.use_abstract_mesh(_abstract_mesh(name)):
+        with jax.sharding.use_abstract_mesh(_abstract_mesh(name, like=like)):
             yield
     else:
         yield

@@ -231,7 +231,7 @@ class Run:
         built, value = self._memo((name,), build)
         return built, value
 
-    def _jitted(self, name: str) -> Callable[..., Any]:
+    def jitted(self, name: str) -> Callable[..., Any]:
         """The variant for ``name`` under ``jax.jit``: its trial lowering is kept for the real call."""
         import jax
 
@@ -278,7 +278,7 @@ class Run:
 
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         __tracebackhide__ = True
-        key = self._settled_key(args, kwargs)
+        key = self.settled_key(args, kwargs)
         self.call_args = (args, kwargs)
         outputs = None
         notes = []
@@ -289,7 +289,7 @@ class Run:
             if prepared.outputs is not None:
                 outputs = prepared.outputs
         self.check_notes = tuple(notes)
-        known = self._settled(key)
+        known = self.settled(key)
         if known is not None and outputs is not None:
             # A check ran the kernel in the interpreter settled on: that run is the call's result.
             self._commit(known[0], known[1])
@@ -307,23 +307,24 @@ class Run:
         """What ``check`` needs before the run, once per kernel identity and shapes (settled under
         a key of its own; a finding is raised at every call, nothing is settled for it)."""
         __tracebackhide__ = True
-        check_key = (*key, check.name)
-        known = self._settled(check_key)
+        # The device setting picks the target a check lowers or compiles for: part of what it settles.
+        check_key = (*key, check.name, _settings.current("device").value)
+        known = self.settled(check_key)
         if known is not None:
             return _checks.Prepared(known[1][0] if known[1] else None)
         prepared = check.before(self, args, kwargs) or _checks.Prepared()
         if prepared.settles:
-            self._settle(check_key, (check.name, (prepared.note,) if prepared.note else ()))
+            self.settle(check_key, (check.name, (prepared.note,) if prepared.note else ()))
         return prepared
 
-    def _settled(self, key: tuple[Hashable, ...]) -> tuple[str, tuple[str, ...]] | None:
+    def settled(self, key: tuple[Hashable, ...]) -> tuple[str, tuple[str, ...]] | None:
         return self.ledger.settled(key) if key[0] is not None else self.kernel.settled.get(key)
 
-    def _settled_key(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Hashable, ...]:
+    def settled_key(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Hashable, ...]:
         c = self.candidates
         return (self.kernel.identity, c.names, c.checked, _shape_key(args, kwargs))
 
-    def _settle(self, key: tuple[Hashable, ...], choice: tuple[str, tuple[str, ...]]) -> None:
+    def settle(self, key: tuple[Hashable, ...], choice: tuple[str, tuple[str, ...]]) -> None:
         if key[0] is not None:
             self.ledger.settle(key, choice)
         else:
@@ -347,7 +348,7 @@ class Run:
         failures: list[tuple[str, BaseException, str]] = []  # (interpreter, error, when)
         names = self.candidates.names
         for index, name in enumerate(names):
-            jitted = self._jitted(name)
+            jitted = self.jitted(name)
             try:
                 with self.ledger.verification():
                     # Tracers of an outer trace lower as their avals (memory spaces, weak types
@@ -361,7 +362,7 @@ class Run:
                 continue
             tried = (*(f"{n}: {when} ({_diagnostics.first_line(e)})" for n, e, when in failures), f"{name}: ok")
             if not self.eager:
-                self._settle(key, (name, tried))
+                self.settle(key, (name, tried))
                 self._commit(name, tried)
                 # Plain stays the kernel as built: an AOT lowering of this trace for an accelerator
                 # must be what JAX alone gives. Another interpreter reuses the trial's trace.
@@ -375,7 +376,7 @@ class Run:
             except _NEVER_RETRIED:
                 raise
             except Exception as error:
-                finding = self._finding(error)
+                finding = self.finding(error)
                 if finding is not None:
                     raise finding from error
                 if isinstance(error, PallasGuardError):
@@ -389,14 +390,14 @@ class Run:
                     _internals.reset_interpreter(name)
                 failures.append((name, error, "failed at run time"))
                 continue
-            self._settle(key, (name, tried))
+            self.settle(key, (name, tried))
             self._commit(name, tried)
             return out
         if len({_diagnostics.first_line(error) for _, error, _ in failures}) == 1:
             # Every interpreter failed the same way: the kernel's own error (a shape mismatch, a bad
             # index). The real call runs with the first candidate and raises it unchanged.
             tried = tuple(f"{n}: {when} ({_diagnostics.first_line(e)})" for n, e, when in failures)
-            self._settle(key, (names[0], tried))
+            self.settle(key, (names[0], tried))
             return self._run(names[0], args, kwargs, tried=tried)
         raise _diagnostics.no_interpreter(
             [(name, error) for name, error, _ in failures],
@@ -408,29 +409,10 @@ class Run:
 
     # --- what the checks use -----------------------------------------------------------------------
 
-    def settled_key(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Hashable, ...]:
-        """The key of this kernel's identity, candidates, checks and argument shapes."""
-        return self._settled_key(args, kwargs)
-
-    def settle(self, key: tuple[Hashable, ...], choice: tuple[str, tuple[str, ...]]) -> None:
-        """Keep ``choice`` (an interpreter, and what was tried) for ``key``."""
-        self._settle(key, choice)
-
-    def settled(self, key: tuple[Hashable, ...]) -> tuple[str, tuple[str, ...]] | None:
-        return self._settled(key)
-
-    def jitted(self, name: str) -> Callable[..., Any]:
-        """The kernel in interpreter ``name`` under ``jax.jit`` (one object per kernel and settings)."""
-        return self._jitted(name)
-
-    def finding(self, error: BaseException) -> PallasGuardError | None:
-        """The finding of a check that a failed run carries, or None."""
-        return self._finding(error)
-
     def run_now(self, name: str, args: Any, kwargs: Any) -> Any:
         """The kernel's outputs in interpreter ``name``, computed now (eager calls only)."""
         with self.ledger.verification():
-            return self._jitted(name)(*args, **kwargs)
+            return self.jitted(name)(*args, **kwargs)
 
     # --- carrying the choice out -------------------------------------------------------------------
 
@@ -469,13 +451,13 @@ class Run:
         except PallasGuardError:
             raise
         except Exception as error:
-            finding = self._finding(error)
+            finding = self.finding(error)
             if finding is not None:
                 raise finding from error
             self._explain(error, name)
             raise
 
-    def _finding(self, error: BaseException) -> PallasGuardError | None:
+    def finding(self, error: BaseException) -> PallasGuardError | None:
         """A check's finding (the kernel's fault, which no other interpreter must hide), as the
         guard's own error."""
         for check in self.checks:

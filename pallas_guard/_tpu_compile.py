@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
-from . import _internals
+from . import _device, _internals
 
 
 class Generation(NamedTuple):
@@ -266,7 +266,9 @@ def compile_kernel(
     avals, kwavals = _placed((args, kwargs), jax.sharding.SingleDeviceSharding(device))
     start = time.perf_counter()
     try:
-        with _presented(device):
+        # The topology device's own kind and cores: Pallas's TPU lowering (1-D blocks, `sign`) and
+        # host code (`get_tpu_info()`) ask the abstract device, else this CPU.
+        with _device.presented(generation, like=device):
             lowered = jax.jit(build()).lower(*avals, **kwavals)
     except (MemoryError, RecursionError):
         raise
@@ -309,28 +311,6 @@ def _placed(tree: Any, sharding: Any) -> Any:
         return leaf
 
     return jax.tree_util.tree_map(place, tree)
-
-
-@contextlib.contextmanager
-def _presented(device: Any) -> Iterator[None]:
-    """The topology device presented as JAX's abstract device while lowering: Pallas's TPU lowering
-    (1-D blocks, ``sign``) and host code (``pltpu.get_tpu_info()``) ask the abstract device, else the
-    default device (this CPU), and fail with "Unsupported TPU device kind: cpu". A mesh with axes
-    of the user's own is left in force."""
-    holder = _internals.abstract_mesh_config()
-    current = None if holder is None else holder.value
-    if holder is None or not (current is None or getattr(current, "empty", False)):
-        yield
-        return
-    import jax
-
-    kind, cores = device.device_kind, getattr(device, "num_cores", 1)
-    try:
-        abstract = jax.sharding.AbstractDevice(kind, cores, "tpu")
-    except TypeError:  # jax < 0.10 takes no platform
-        abstract = jax.sharding.AbstractDevice(kind, cores)  # type: ignore[call-arg]
-    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=abstract)):
-        yield
 
 
 def first_line(error: BaseException) -> str:

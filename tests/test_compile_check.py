@@ -139,3 +139,20 @@ def test_operands_libtpu_aborts_on_are_not_compiled_in_this_process() -> None:
     assert _compile_check._aborting_memory_space(semaphore_out) is not None
     vmem = {"in_specs": [pl.BlockSpec((8, 128), lambda i: (i, 0))], "out_specs": pl.BlockSpec(memory_space=pltpu.VMEM)}
     assert _compile_check._aborting_memory_space(vmem) is None
+
+
+@needs_libtpu
+def test_a_verdict_is_kept_per_generation(guard: Any) -> None:
+    """What compiled for one generation is not taken for another's verdict in the same session."""
+    guard("interpret", checks="compile")
+    call = _kernel((2048, 4096), jnp.float32)
+    x = jnp.zeros((2048, 4096), jnp.float32)
+    with pallas_guard.policy(device="tpu-v5e"), pytest.raises(PallasGuardError, match="for tpu-v5e"):
+        call(x)
+    small = _kernel((64, 128), jnp.float32)
+    with pallas_guard.policy(device="tpu-v6e"):
+        small(jnp.zeros((64, 128)))
+    with pallas_guard.policy(device="tpu-v4"):
+        small(jnp.zeros((64, 128)))
+    notes = [n for d in pallas_guard.decisions() for n in d.notes if n.startswith("compile: compiles")]
+    assert [n.split(":")[1].strip() for n in notes] == ["compiles for tpu-v6e", "compiles for tpu-v4"]
