@@ -162,7 +162,7 @@ class Option:
         comma list on its own), else nothing."""
         if not self.vocabulary or not word:
             return ""
-        if "," in word and self.kind == "set of checks":
+        if "," in word and self.kind in ("set of checks", "device"):
             parts = [part.strip() for part in word.split(",") if part.strip()]
             fixed = [part if part in self.vocabulary else closest(part, self.vocabulary) for part in parts]
             return f"; did you mean {','.join(fixed)!r}?" if parts and None not in fixed else ""  # type: ignore[arg-type]
@@ -285,7 +285,27 @@ _DEVICE_WORDS.update({"tpu v5e": "tpu-v5e", "tpu v5": "tpu-v5p", "tpu v6e": "tpu
 
 
 def _device(word: str) -> "str | None":
-    return _NONE if word == "none" else _DEVICE_WORDS.get(word)
+    """One device, or a comma-separated list of them (one per family, or TPU generations to compile
+    for), as the canonical names joined by commas; None where a part is unknown."""
+    if word == "none":
+        return _NONE
+    names = [_DEVICE_WORDS.get(part.strip()) for part in word.split(",") if part.strip()]
+    if not names or None in names:
+        return None
+    return ",".join(dict.fromkeys(names))  # type: ignore[arg-type]
+
+
+def device_list(value: object) -> "tuple[str, ...]":
+    """The device setting's value as its devices, in the order given (none: empty)."""
+    if not isinstance(value, str) or value == _NONE:
+        return ()
+    return tuple(name for name in value.split(",") if name in DEVICES)
+
+
+def _word_of_devices(value: object) -> str | None:
+    if isinstance(value, (list, tuple)) and value and all(isinstance(part, str) for part in value):
+        return ",".join(value)
+    return None
 
 
 _NONE = "none"
@@ -380,10 +400,14 @@ OPTIONS = {
             "device",
             _device,
             "'none', " + ", ".join(map(repr, DEVICES)) + ", or JAX's device kind for one of them ('TPU v5 lite', "
-            "'NVIDIA H100 80GB HBM3', ...)",
+            "'NVIDIA H100 80GB HBM3', ...); or several, comma-separated",
             _NONE,
             "the TPU/GPU that host code asking which accelerator it runs on is told (JAX's abstract device), "
-            "where the target is the CPU and the guard interprets",
+            "where the target is the CPU and the guard interprets; several (comma-separated): host code is told "
+            "the first, each kernel family is lowered for the first of its own platform, and the compile check "
+            "compiles for every TPU generation listed",
+            word_of=_word_of_devices,
+            also=" or a list of str",
             meanings={
                 "none": "host code sees the CPU it runs on",
                 **{name: f"host code sees a {kind} ({cores} cores)" for name, (kind, cores, _) in DEVICES.items()},

@@ -10,7 +10,7 @@ PYTEST_DONT_REWRITE (nothing to rewrite here; pytest would warn if we were impor
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 from pallas_guard_autoload import PallasGuardConfigError
 
@@ -61,15 +61,18 @@ def policy(
     interpreter: Interpreter | str | None = None,
     checks: str | Iterable[str] | None = None,
     max_steps: int | str | None = None,
-    device: str | None = None,
+    device: str | Sequence[str] | None = None,
     fast_plain: bool | str | None = None,
 ) -> _settings.AbstractContextManager[None]:
     """Override settings inside a ``with`` block; thread- and task-local.
 
-    ``checks``: ``"races"``, ``"bounds"``, ``"agree"``, ``"lowering"`` (a comma list or an
-    iterable), ``"all"`` or ``"none"``; ``fast_plain``: False runs JAX's plain interpreter as it ships;
-    ``max_steps``: the most grid steps an interpreted kernel may run; ``device``: the TPU/GPU host
-    code is told it runs on (``"tpu-v5e"``, ``"h100"``, ... or ``"none"``). Bad values raise here,
+    ``checks``: ``"races"``, ``"bounds"``, ``"agree"``, ``"lowering"``, ``"compile"`` (a comma
+    list or an iterable), ``"all"`` or ``"none"``; ``fast_plain``: False runs JAX's plain
+    interpreter as it ships; ``max_steps``: the most grid steps an interpreted kernel may run;
+    ``device``: the TPU/GPU host code is told it runs on (``"tpu-v5e"``, ``"h100"``, ... or
+    ``"none"``), or several (a comma list or a sequence: host code is told the first, each kernel
+    family is lowered for the first of its platform, the compile check compiles for every TPU
+    generation listed). Bad values raise here,
     before the block. Settings apply where a kernel is called and lowered: a function jitted before
     the block keeps its executable (``jax.clear_caches()`` to re-trace).
     """

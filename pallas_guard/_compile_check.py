@@ -15,6 +15,8 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Any
 
+from pallas_guard_autoload import device_list
+
 from . import _checks, _diagnostics, _lowering_check, _settings, _tpu_compile
 from ._errors import PallasGuardError
 
@@ -41,22 +43,44 @@ class Compile(_checks.Check):
         missing = _tpu_compile.available()
         if missing is not None:
             return _checks.Prepared(f"compile: not checked: {missing}")
-        generation = target.device if target.device in _tpu_compile.GENERATIONS else DEFAULT_GENERATION
-        outcome = _tpu_compile.compile_kernel(run.kernel.build, args, kwargs, generation)
-        if outcome.unchecked is not None:
-            return _checks.Prepared(f"compile: not checked for {generation}: {outcome.unchecked}")
-        if outcome.error is None:
-            return _checks.Prepared(f"compile: compiles for {generation}{usage(outcome)}")
+        compiled: dict[str, str] = {}  # generation -> its usage
+        refused: dict[str, BaseException] = {}
+        for generation in _generations(_settings.current("device").value):
+            outcome = _tpu_compile.compile_kernel(run.kernel.build, args, kwargs, generation)
+            if outcome.unchecked is not None:
+                return _checks.Prepared(f"compile: not checked for {generation}: {outcome.unchecked}")
+            if outcome.error is None:
+                compiled[generation] = usage(outcome)
+            else:
+                refused[generation] = outcome.error
+        if not refused:
+            return _checks.Prepared("compile: compiles for " + "; ".join(f"{g}{use}" for g, use in compiled.items()))
+        generation, refusal = next(iter(refused.items()))
+        source = target.source if generation == target.device else "the device setting"
+        if compiled:  # which generations it does compile for: the refusal is this generation's
+            source += f"; it compiles for {_and(list(compiled))}"
+        if len(refused) > 1:
+            source += f"; {_and(list(refused)[1:])} {'refuses' if len(refused) == 2 else 'refuse'} it too"
         error = _diagnostics.lowering_refused(
             kernel=run.kernel.info,
             call_site=run.call_site,
-            target=f"{generation} ({target.source})",
-            error=outcome.error,
+            target=f"{generation} ({source})",
+            error=refusal,
             source=_settings.stated("checks"),
             check=self.name,
         )
-        finding = as_the_targets(error, outcome.error)
+        finding = as_the_targets(error, refusal)
         raise _checks.found(self.name, finding, kernel=run.kernel.info, call_site=run.call_site) from None
+
+
+def _generations(setting: str | None) -> list[str]:
+    """The TPU generations to compile for: every one the device setting lists, else the default."""
+    listed = [device for device in device_list(setting) if device in _tpu_compile.GENERATIONS]
+    return listed or [DEFAULT_GENERATION]
+
+
+def _and(parts: list[str]) -> str:
+    return parts[0] if len(parts) == 1 else f"{', '.join(parts[:-1])} and {parts[-1]}"
 
 
 def _aborting_memory_space(kwargs: dict[str, Any]) -> str | None:

@@ -17,7 +17,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from pallas_guard_autoload import DEVICES
+from pallas_guard_autoload import DEVICES, device_list
 
 from . import _internals, _settings, _target
 from ._enums import Policy
@@ -43,13 +43,11 @@ def _abstract_mesh(name: str, *, like: Any = None) -> Any:
     return jax.sharding.AbstractMesh((), (), abstract_device=abstract_device(name, like=like))
 
 
-def cores(name: str | None) -> int | None:
-    """The cores of the device set (TPU interpret mode simulates as many per device), or None."""
-    return DEVICES[name][1] if name in DEVICES else None
-
-
-def platform(name: str | None) -> str | None:
-    return DEVICES[name][2] if name in DEVICES else None
+def tpu_cores(setting: str | None) -> int | None:
+    """The cores of the device setting's first TPU (TPU interpret mode simulates as many per
+    device), or None where it names no TPU."""
+    tpus = [name for name in device_list(setting) if DEVICES[name][2] == "tpu"]
+    return DEVICES[tpus[0]][1] if tpus else None
 
 
 def wanted() -> str | None:
@@ -60,9 +58,10 @@ def wanted() -> str | None:
         policy = _settings.current_policy().value
     except (ValueError, TypeError):  # a bad variable: the first kernel raises it, naming it
         return None
-    if device not in DEVICES or policy not in (Policy.INTERPRET, Policy.WARN):
+    devices = device_list(device)
+    if not devices or policy not in (Policy.INTERPRET, Policy.WARN):
         return None
-    return str(device) if _cpu_target() else None
+    return devices[0] if _cpu_target() else None  # a list: host code is told its first device
 
 
 def interpreting_on_cpu() -> bool:

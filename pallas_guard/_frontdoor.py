@@ -186,7 +186,7 @@ def at_call(
         policy=policy,
         call_site=call_site,
         ledger=installation.ledger,
-        tpu_cores=_device.cores(device) if _device.platform(device) == "tpu" else None,
+        tpu_cores=_device.tpu_cores(device),
     )
     return run(args, kwargs)
 

@@ -7,7 +7,7 @@ import dataclasses
 import os
 import sys
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from types import ModuleType
 from typing import Any
 
@@ -224,7 +224,7 @@ def install(
     interpreter: Interpreter | str | None = None,
     checks: str | Iterable[str] | None = None,
     max_steps: int | str | None = None,
-    device: str | None = None,
+    device: str | Sequence[str] | None = None,
     fast_plain: bool | str | None = None,
 ) -> None:
     """Install the guard (idempotent). Settings not given keep a value set earlier through the API

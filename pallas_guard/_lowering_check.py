@@ -21,7 +21,7 @@ import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from pallas_guard_autoload import DEVICES
+from pallas_guard_autoload import DEVICES, device_list
 
 from . import _checks, _device, _diagnostics, _internals, _settings
 
@@ -70,19 +70,23 @@ _FAMILY_PLATFORMS = {"mosaic_tpu": "tpu", "triton": "gpu", "mosaic_gpu": "gpu"}
 """The platform (``DEVICES``) a kernel family is written for."""
 
 
-def target_for(family: str | None, device: str | None) -> Target | str:
-    """The target to lower for: the device setting's where it is of the kernel family's platform
-    (or the kernel is generic), else the family's default device (Mosaic TPU: a TPU v5e; Triton,
-    Mosaic GPU: an H100), so that a project with both families sets one device and no valid kernel
-    is refused for the other family's; a reason to skip where neither tells."""
+def target_for(family: str | None, setting: str | None) -> Target | str:
+    """The target to lower for: the device setting's first device of the kernel family's platform
+    (the first of all for a generic kernel), else the family's default device (Mosaic TPU: a TPU
+    v5e; Triton, Mosaic GPU: an H100), so that a project with both families sets one device (or one
+    per family) and no valid kernel is refused for the other family's; a reason to skip where
+    neither tells."""
     platform = _FAMILY_PLATFORMS.get(family or "")
-    if device in DEVICES and platform in (None, DEVICES[device][2]):
-        return Target(_PLATFORMS[DEVICES[device][2]], device, "the device setting")
+    devices = device_list(setting)
+    for device in devices:
+        if platform in (None, DEVICES[device][2]):
+            return Target(_PLATFORMS[DEVICES[device][2]], device, "the device setting")
     if family in DEFAULT_DEVICES:
         default = DEFAULT_DEVICES[family]
         source = f"the default for {family} kernels"
-        if device in DEVICES:
-            source += f"; the device setting {device!r} is a {DEVICES[device][2].upper()} and applies to its own family"
+        if devices:
+            named = " and ".join(repr(device) for device in devices)
+            source += f"; the device setting {named} names no {DEVICES[default][2].upper()}"
         return Target(_PLATFORMS[DEVICES[default][2]], default, source)
     return "a generic kernel has no target of its own: set a device (PALLAS_GUARD_DEVICE) to lower it for one"
 
@@ -163,7 +167,7 @@ def check(build: Callable[[], Any], args: tuple[Any, ...], kwargs: dict[str, Any
     return Outcome(f"lowering: lowers for {target.describe()}")
 
 
-_UNSUPPORTED = re.compile(r"Unimplemented primitive in Pallas \w+ lowering(?: for \w+)?: (\w+)")
+_UNSUPPORTED = re.compile(r"Unimplemented primitive in Pallas \w+ lowering(?: for [\w.]+)?: (\w+)")
 
 
 def unsupported_primitive_fix(

@@ -190,7 +190,8 @@ def test_a_bad_checks_value_names_the_input(bad: str) -> None:
     if not bad:
         pytest.skip("an empty variable means unset; an empty API string is rejected below")
     with pytest.raises(
-        pallas_guard.PallasGuardConfigError, match=r"'races', 'bounds', 'agree', 'lowering', 'compile' \(comma-separated\)"
+        pallas_guard.PallasGuardConfigError,
+        match=r"'races', 'bounds', 'agree', 'lowering', 'compile' \(comma-separated\)",
     ):
         pallas_guard.install(checks=bad)
 

@@ -156,3 +156,26 @@ def test_a_verdict_is_kept_per_generation(guard: Any) -> None:
         small(jnp.zeros((64, 128)))
     notes = [n for d in pallas_guard.decisions() for n in d.notes if n.startswith("compile: compiles")]
     assert [n.split(":")[1].strip() for n in notes] == ["compiles for tpu-v6e", "compiles for tpu-v4"]
+
+
+@needs_libtpu
+def test_a_list_of_generations_says_which_compile_it_and_which_refuse(guard: Any) -> None:
+    """Two 12 MiB blocks (in and out, double-buffered: 24 MiB of scoped VMEM) fit v6e's 32 MiB
+    default and overflow v4's and v5e's 16 MiB: the finding names the generation that refuses
+    first in the list, the one that compiles, and the other that refuses too."""
+    guard("interpret", checks="compile", device=["tpu-v4", "tpu-v6e", "tpu-v5e"])
+    call = _kernel((3072, 1024), jnp.float32, (1536, 1024))
+    with pytest.raises(PallasGuardError) as raised:
+        call(jnp.zeros((3072, 1024), jnp.float32))
+    text = str(raised.value)
+    assert "compile for tpu-v4 (the device setting; it compiles for tpu-v6e; tpu-v5e refuses it too)" in text
+    assert "Ran out of memory in memory space vmem" in text
+
+    small = _kernel((64, 128), jnp.float32)
+    small(jnp.zeros((64, 128)))
+    note = next(n for n in pallas_guard.decisions()[-1].notes if n.startswith("compile:"))
+    assert [part.split(":")[0] for part in note.removeprefix("compile: compiles for ").split("; ")] == [
+        "tpu-v4",
+        "tpu-v6e",
+        "tpu-v5e",
+    ]

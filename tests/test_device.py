@@ -86,6 +86,19 @@ def test_a_bad_device_names_the_input_and_the_closest_value() -> None:
     assert "install(device=...)='h1000'" in text and "'tpu-v5e'" in text and "did you mean 'h100'?" in text
 
 
+def test_a_bad_device_in_a_list_names_the_list_and_the_part_it_would_fix() -> None:
+    with pytest.raises(pallas_guard.PallasGuardConfigError) as info:
+        pallas_guard.install("interpret", device="tpu-v5e,tpu-v66e")
+    assert "did you mean 'tpu-v5e,tpu-v6e'?" in str(info.value)
+    with pytest.raises(TypeError, match=r"device=\.\.\.\) must be a str or a list of str, got list \[1\]"):
+        pallas_guard.install("interpret", device=[1])  # type: ignore[list-item]
+
+
+def test_host_code_is_told_the_first_device_of_a_list(guard: Callable[..., None]) -> None:
+    guard("interpret", device="tpu-v6e,h100")
+    assert _device_kind() == "TPU v6 lite"
+
+
 def test_jaxs_own_device_kinds_are_accepted(guard: Callable[..., None]) -> None:
     guard("interpret", device="NVIDIA H100 80GB HBM3")
     assert _device_kind() == "NVIDIA H100 80GB HBM3"

@@ -147,6 +147,17 @@ def test_each_family_is_lowered_for_its_own_target(guard: Any, device: str, para
     assert checked == _unchecked(kernel, x)
 
 
+@pytest.mark.parametrize(
+    ("params", "lowered_for"), [(triton_params, "cuda (NVIDIA A100-SXM4-80GB"), (tpu_params, "tpu (TPU v6 lite")]
+)
+def test_a_device_per_family_lowers_each_family_for_its_own(guard: Any, params: Any, lowered_for: str) -> None:
+    guard("interpret", checks="lowering", device=["a100", "tpu-v6e"])
+    kernel = blocked(double, (16, 128), (32, 128), params())
+    kernel(ROWS[:32, :128])
+    notes = [note for note in pallas_guard.decisions()[-1].notes if note.startswith("lowering:")]
+    assert notes == [f"lowering: lowers for {lowered_for}, the device setting)"], notes
+
+
 def test_a_generic_kernel_without_a_device_is_not_checked(guard: Any) -> None:
     """No compiler params and no device: no target to lower for; the decision says so."""
     guard("interpret", checks="lowering")

@@ -65,6 +65,8 @@ def test_options_declare_each_setting_once() -> None:
         ("checks", "all", frozenset({"races", "bounds", "agree", "lowering", "compile"})),
         ("checks", "None", frozenset()),
         ("max_steps", " 512 ", 512),
+        ("device", " TPU v5 lite ", "tpu-v5e"),
+        ("device", "tpu-v5e, H100,tpu-v5e", "tpu-v5e,h100"),
     ],
 )
 def test_every_option_parses_case_and_whitespace_insensitively(name: str, raw: str, expected: object) -> None:
