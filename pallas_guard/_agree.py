@@ -145,6 +145,7 @@ class Agree(_checks.Check):
             return
         self._at_run_time.discard(run)
         args, kwargs = run.call_args
+        run.call_args = None  # tracers of this trace: the callbacks traced below keep the run alive
         others = [n for n in _pool(run) if n != interpreter]
         if others:
             _compare_when_run(self, run, out, interpreter, others=others, args=args, kwargs=kwargs)
@@ -190,7 +191,8 @@ def _compare_when_run(
     from jax import lax
     from jax.experimental import io_callback
 
-    key = (*run.settled_key(args, kwargs), "agree at run time")
+    call_key = run.settled_key(args, kwargs)  # the callbacks hold keys, not this trace's tracers
+    key = (*call_key, "agree at run time")
     usable = []
     for name in others:
         try:
@@ -221,7 +223,7 @@ def _compare_when_run(
             _record.annotate(run.kernel.info, run.call_site, f"agree: {', '.join(names)} agree")
         else:
             verdict = f"agree: {found.first} and {found.second} disagree"
-            run.settle(run.settled_key(args, kwargs), (found.right, (verdict,)))
+            run.settle(call_key, (found.right, (verdict,)))
             _findings.record(check.disagreement(run, found, names))
 
     def compare_now(operands: Any) -> None:

@@ -184,7 +184,7 @@ def lower(
         return None
     # The checks go in through discharge rules, whose results JAX caches per jaxpr object: a
     # private copy neither reads an unchecked discharge cached before nor leaves a checked one.
-    interpret = _internals.plain_interpreter({**params, "jaxpr": _internals.private_copy(params["jaxpr"])})
+    interpret = _internals.plain_interpreter(_internals.private_params(params))
     if interpret is None:
         return None
     lower_fun = tools[2]

@@ -8,6 +8,7 @@ warn once, keep every layer that still works, and diagnostics can say what was m
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import importlib
 import itertools
@@ -759,6 +760,24 @@ def private_copy(jaxpr: Any) -> Any:
         return copy(value) if _jaxpr_like(value) else value
 
     return copy(jaxpr)
+
+
+def private_params(params: dict[str, Any]) -> dict[str, Any]:
+    """A ``pallas_call`` equation's params with private copies (``private_copy``) of the kernel's
+    jaxpr and of every block's index map: the interpreters discharge index maps too (a map that
+    reads scalar-prefetch refs has state), cached by the index map's jaxpr object."""
+    private = {**params, "jaxpr": private_copy(params["jaxpr"])}
+    grid_mapping = params.get("grid_mapping")
+    mappings = getattr(grid_mapping, "block_mappings", None)
+    if mappings and dataclasses.is_dataclass(grid_mapping):
+        copied = tuple(
+            dataclasses.replace(m, index_map_jaxpr=private_copy(m.index_map_jaxpr))  # type: ignore[type-var]
+            if dataclasses.is_dataclass(m) and hasattr(m, "index_map_jaxpr")
+            else m
+            for m in mappings
+        )
+        private["grid_mapping"] = dataclasses.replace(grid_mapping, block_mappings=copied)  # type: ignore[type-var]
+    return private
 
 
 def _jaxpr_like(value: Any) -> bool:

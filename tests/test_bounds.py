@@ -289,6 +289,23 @@ def test_a_scalar_prefetch_index_map_out_of_range_is_found(jit: bool) -> None:
     assert text.endswith(", at grid step (1,)")
 
 
+def test_one_kernel_lowered_in_two_computations_reads_no_tracer_of_the_first() -> None:
+    """An index map that reads a scalar-prefetch ref is discharged with the checks too: JAX caches
+    that discharge by the index map's jaxpr, which every trace of the kernel shares. The second
+    computation must get its own, not the first's, whose program ids were the first's tracers."""
+    spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=1,
+        grid=(2,),
+        in_specs=[pl.BlockSpec((8,), lambda i, idx: (idx[i],))],
+        out_specs=pl.BlockSpec((8,), lambda i, idx: (i,)),
+    )
+    call = pl.pallas_call(block_from_prefetch, out_shape=jax.ShapeDtypeStruct((16,), jnp.float32), grid_spec=spec)
+    blocks = jnp.array([2, 0], jnp.int32)
+    expected = np.concatenate([X[16:24], X[:8]])
+    np.testing.assert_array_equal(jax.jit(lambda b, x: call(b, x) * 1)(blocks, X), expected)
+    np.testing.assert_array_equal(jax.jit(lambda b, x: call(b, x) + 1)(blocks, X), expected + 1)
+
+
 def dma_window(start_ref, x_hbm, o_ref, buffer, sem):  # type: ignore[no-untyped-def]
     copy = pltpu.make_async_copy(x_hbm.at[pl.ds(start_ref[0], 8)], buffer, sem)
     copy.start()
