@@ -14,8 +14,10 @@ Where libtpu cannot run here, the rows say why (``_tpu_compile.available()``).
 from __future__ import annotations
 
 import contextlib
+import os
 import statistics
 import sys
+import tempfile
 import time
 import warnings
 from collections.abc import Callable
@@ -27,7 +29,7 @@ for path in (BENCH_DIR, BENCH_DIR.parent / "tests", BENCH_DIR.parent):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
-from _harness import Row, Sample, Stopwatch, interleave  # noqa: E402
+from _harness import Comparison, Row, Sample, Stopwatch, interleave  # noqa: E402
 
 DEVICE = "tpu-v5e"
 FIRST_TARGET = 1.5
@@ -36,6 +38,7 @@ STEADY_SECONDS = 0.1
 """Each steady sample calls the kernel about this long (at least 5 calls): a call of a small jitted
 kernel takes 0.02-1 ms, too short to time alone on a shared machine."""
 FIRST_ROW = "4g. compile check: first call, median over the kernels, with vs without"
+KEPT_ROW = "4g. compile check: first call, its compile kept on disk by an earlier run, with vs without"
 STEADY_ROW = "4g. compile check: steady (the same jitted kernel called again, settled), median over the kernels"
 QUICK = frozenset(
     {"tiling.f32_8x128", "dtype.f32_add", "matmul.f32", "matmul.revisited_output", "index.prefetch_gather"}
@@ -58,11 +61,14 @@ class Kernel:
         self.jitted: dict[str, Any] = {}
         self.calls = 0
 
-    def first(self, checks: str) -> Sample:
+    def first(self, checks: str, kept: str | None = None) -> Sample:
+        """``kept``: the directory of compiles kept on disk (``XDG_CACHE_HOME``) an earlier run
+        filled; None: a new, empty one, so that libtpu compiles the kernel."""
         import jax
 
         import pallas_guard
 
+        os.environ["XDG_CACHE_HOME"] = kept or tempfile.mkdtemp(prefix="pallas_guard-bench-")
         jax.clear_caches()
         pallas_guard.uninstall()  # forgets the settled choices, lowerings and compiles
         pallas_guard.install("interpret", checks=checks, max_steps=None, device=DEVICE)
@@ -105,9 +111,36 @@ def _compiled() -> str | None:
     return said[-1] if said else None
 
 
+def _measure(kernel: Kernel, pairs: int, steady_pairs: int) -> tuple[Comparison, str, Comparison, Comparison]:
+    """First calls (libtpu compiles), first calls whose compile an earlier run kept, steady calls;
+    and what the check said."""
+    import pallas_guard
+
+    cache_home = os.environ.get("XDG_CACHE_HOME")
+    try:
+        pallas_guard.clear_decisions()
+        first = interleave(lambda: kernel.first("compile"), lambda: kernel.first("none"), pairs=pairs, warmup=0)
+        said = _compiled() or "no compile decision"
+        kept = tempfile.mkdtemp(prefix="pallas_guard-bench-kept-")
+        kernel.first("compile", kept)  # the earlier run: its compile kept, untimed
+        first_kept = interleave(
+            lambda: kernel.first("compile", kept), lambda: kernel.first("none"), pairs=pairs, warmup=0
+        )
+        settled = interleave(
+            lambda: kernel.steady("compile"), lambda: kernel.steady("none"), pairs=steady_pairs, warmup=1
+        )
+    finally:
+        if cache_home is None:
+            os.environ.pop("XDG_CACHE_HOME", None)
+        else:
+            os.environ["XDG_CACHE_HOME"] = cache_home
+    return first, said, first_kept, settled
+
+
 def _unavailable(why: str) -> list[Row]:
     return [
         Row(FIRST_ROW, None, FIRST_TARGET, note=f"not available: {why}"),
+        Row(KEPT_ROW, None, FIRST_TARGET, note=f"not available: {why}"),
         Row(STEADY_ROW, None, STEADY_TARGET, note=f"not available: {why}"),
     ]
 
@@ -132,6 +165,7 @@ def rows(*, quick: bool = False, pairs: int | None = None) -> list[Row]:
     was_installed = pallas_guard._install.status().requested
     kernels = [Kernel(case, record) for case, record in recorded() if not quick or case.name in QUICK]
     first: dict[str, float] = {}
+    first_kept: dict[str, float] = {}
     steady: dict[str, float] = {}
     failed: list[str] = []
     unchecked: list[str] = []
@@ -143,14 +177,7 @@ def rows(*, quick: bool = False, pairs: int | None = None) -> list[Row]:
     for kernel in kernels:
         sys.stderr.write(f"  4g. {kernel.name}\n")
         try:
-            pallas_guard.clear_decisions()
-            comparison = interleave(
-                lambda k=kernel: k.first("compile"), lambda k=kernel: k.first("none"), pairs=pairs, warmup=0
-            )
-            said = _compiled() or "no compile decision"
-            settled = interleave(
-                lambda k=kernel: k.steady("compile"), lambda k=kernel: k.steady("none"), pairs=steady_pairs, warmup=1
-            )
+            comparison, said, kept_comparison, settled = _measure(kernel, pairs, steady_pairs)
         except Exception as error:  # one kernel failing must not hide the others
             lines = str(error).strip().splitlines()
             failed.append(f"{kernel.name}: {type(error).__name__}: {lines[0][:120] if lines else ''}")
@@ -160,6 +187,7 @@ def rows(*, quick: bool = False, pairs: int | None = None) -> list[Row]:
         if "compiles for" not in said:
             unchecked.append(f"{kernel.name} ({said})")
         first[kernel.name] = comparison.ratio("cpu")
+        first_kept[kernel.name] = kept_comparison.ratio("cpu")
         steady[kernel.name] = settled.ratio("cpu")
         details.append(
             f"{kernel.name} {first[kernel.name]:.2f} ({comparison.median('a') * 1e3:.0f}/"
@@ -195,6 +223,14 @@ def rows(*, quick: bool = False, pairs: int | None = None) -> list[Row]:
             ),
         ),
         Row(
+            KEPT_ROW,
+            statistics.median(first_kept.values()) if first_kept else None,
+            FIRST_TARGET,
+            pairs=len(first_kept),
+            detail=worst(first_kept),
+            note="n = kernels; as the first call, with the kernel compiled once before, untimed, its verdict kept",
+        ),
+        Row(
             STEADY_ROW,
             statistics.median(steady.values()) if steady else None,
             STEADY_TARGET,
@@ -206,8 +242,6 @@ def rows(*, quick: bool = False, pairs: int | None = None) -> list[Row]:
 
 
 if __name__ == "__main__":
-    import os
-
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     for row in rows(quick="--quick" in sys.argv):
         ratio = f"{row.ratio:.3f}" if row.ratio is not None else "n/a"

@@ -107,7 +107,8 @@ def usage(outcome: _tpu_compile.Outcome) -> str:
         parts.append(f"VMEM {_size(outcome.vmem_used)} of {_size(outcome.vmem_limit)}")
     if outcome.smem_used is not None and outcome.smem_limit:
         parts.append(f"SMEM {_size(outcome.smem_used)} of {_size(outcome.smem_limit)}")
-    return f": {', '.join(parts)}" if parts else ""
+    kept = " (cached: an earlier run compiled it)" if outcome.cached else ""
+    return f": {', '.join(parts)}{kept}" if parts else kept
 
 
 def _size(count: int) -> str:

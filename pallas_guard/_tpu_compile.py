@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import hashlib
 import importlib
 import importlib.metadata
 import importlib.util
@@ -97,6 +98,8 @@ class Outcome(NamedTuple):
     """Wall time of the lowering and the compile (the topology, made once per process, excluded)."""
     unchecked: str | None = None
     """Why the compile could not run here (not a verdict on the kernel); None where it ran."""
+    cached: bool = False
+    """Read from the verdicts cache (``verdicts_dir``): compiled by an earlier run, not this one."""
 
 
 # --- availability ---------------------------------------------------------------------------------
@@ -278,15 +281,20 @@ def compile_kernel(
         if any(words in message for words in _NOT_THE_KERNELS):
             return Outcome(generation, None, smem_limit=smem_limit, seconds=seconds, unchecked=message)
         return Outcome(generation, "lower", error, message, smem_limit=smem_limit, seconds=seconds)
-    try:
-        compiled = lowered.compile()
-    except (MemoryError, RecursionError):
-        raise
-    except Exception as error:
-        seconds = time.perf_counter() - start
-        return Outcome(generation, "compile", error, first_line(error), smem_limit=smem_limit, seconds=seconds)
-    seconds = time.perf_counter() - start
-    usage = memory(compiled.as_text() or "", generation)
+    cache = _verdict_file(lowered, generation)
+    known = _read_verdict(cache)
+    if known is not None:
+        usage = known
+    else:
+        try:
+            compiled = lowered.compile()
+        except (MemoryError, RecursionError):
+            raise
+        except Exception as error:
+            seconds = time.perf_counter() - start
+            return Outcome(generation, "compile", error, first_line(error), smem_limit=smem_limit, seconds=seconds)
+        usage = memory(compiled.as_text() or "", generation)
+        _write_verdict(cache, usage)
     return Outcome(
         generation,
         None,
@@ -295,8 +303,72 @@ def compile_kernel(
         smem_used=usage.smem_used,
         smem_limit=smem_limit,
         kernels=usage.kernels,
-        seconds=seconds,
+        seconds=time.perf_counter() - start,
+        cached=known is not None,
     )
+
+
+# --- the verdicts cache -------------------------------------------------------------------------------
+# libtpu's compile of even a tiny kernel costs 25-50 ms of CPU, more than an interpreted first call
+# of it; CI runs the same kernels run after run. A kernel that compiled is kept on disk by what was
+# compiled (the lowered module, the Mosaic kernel serialised in it), for which generation, with
+# which jax and libtpu: the same input to the same compiler. A refusal is never kept: it is compiled
+# again, so its error is the compiler's own, raised now.
+
+
+def verdicts_dir() -> str:
+    """Where compiles that succeeded are kept: ``$XDG_CACHE_HOME/pallas_guard/tpu-compiles`` (else
+    ``~/.cache/...``). Delete it to compile everything again."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "pallas_guard", "tpu-compiles")
+
+
+def _verdict_file(lowered: Any, generation: str) -> str | None:
+    try:
+        text = lowered.as_text()
+    except Exception:  # a lowering that cannot print itself is compiled every time
+        return None
+    library = os.environ.get("TPU_LIBRARY_PATH") or ""
+    if library and os.path.isfile(library):
+        library += f"@{os.path.getmtime(library)}"
+    compiler = (
+        repr(GENERATIONS.get(generation)),
+        _internals.jax_version() or "",
+        _distribution_version("jaxlib") or "",
+        _distribution_version("libtpu") or "",
+        library,
+    )
+    digest = hashlib.sha256("\0".join((*compiler, generation, text)).encode()).hexdigest()
+    return os.path.join(verdicts_dir(), f"{digest}.json")
+
+
+def _read_verdict(path: str | None) -> Memory | None:
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as file:
+            fields = json.load(file)
+        known = Memory(**fields)
+    except (OSError, ValueError, TypeError):  # absent, unreadable or not ours: compile
+        return None
+    numbers = (known.vmem_used, known.vmem_limit, known.smem_used)
+    if not isinstance(known.kernels, int) or not all(n is None or isinstance(n, int) for n in numbers):
+        return None
+    return known
+
+
+def _write_verdict(path: str | None, usage: Memory) -> None:
+    if path is None:
+        return
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        # Written whole, then renamed: a reader in another process sees all of it or nothing.
+        temporary = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+        with open(temporary, "w", encoding="utf-8") as file:
+            json.dump(usage._asdict(), file)
+        os.replace(temporary, path)
+    except OSError:  # a read-only home: the compile is not kept, nothing else changes
+        pass
 
 
 def _placed(tree: Any, sharding: Any) -> Any:

@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import textwrap
 import zipfile
 from collections.abc import Callable, Iterator, Mapping
@@ -22,6 +23,10 @@ from pallas_guard import _record, _settings
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # A user's project, run by tests/test_quickstart.py under the guard; not tests of this suite.
 collect_ignore = ["quickstart", "jax_suite"]  # jax_suite: JAX's own tests, run by tests/jax_suite/run.py
+
+# The compile check keeps the compiles that succeeded on disk (a CI re-run reads them): each run of
+# the suite starts with none, in a directory of its own, so every test compiles with libtpu itself.
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="pallas_guard-tests-")
 
 # `import pallas_guard` installed the guard with the environment's policy; tests opt in instead.
 pallas_guard.uninstall()

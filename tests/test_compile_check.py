@@ -179,3 +179,38 @@ def test_a_list_of_generations_says_which_compile_it_and_which_refuse(guard: Any
         "tpu-v6e",
         "tpu-v5e",
     ]
+
+
+@needs_libtpu
+def test_a_compile_that_succeeded_is_kept_on_disk_and_a_refusal_is_not(
+    guard: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    """A later run (here: the guard reinstalled, JAX's caches cleared) reads the kept compile, with
+    the same numbers, and says so; a refusal is compiled again each time; a damaged entry is
+    compiled again and rewritten."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    kept = tmp_path / "pallas_guard" / "tpu-compiles"
+
+    def first_call_note() -> str:
+        jax.clear_caches()
+        pallas_guard.uninstall()
+        guard("interpret", checks="compile")
+        _kernel((64, 128), jnp.float32, (8, 128))(jnp.zeros((64, 128)))  # built where the guard sees it
+        return [n for d in pallas_guard.decisions() for n in d.notes if n.startswith("compile:")][-1]
+
+    compiled = first_call_note()
+    assert "cached" not in compiled
+    assert len(list(kept.glob("*.json"))) == 1
+    assert first_call_note() == compiled + " (cached: an earlier run compiled it)"
+
+    entry = next(kept.glob("*.json"))
+    entry.write_text("{not json")
+    assert first_call_note() == compiled
+    assert first_call_note() == compiled + " (cached: an earlier run compiled it)"
+
+    for _ in range(2):
+        with pytest.raises(PallasGuardError, match="Invalid vector type for load"):
+            _kernel((64, 128), jnp.float16)(jnp.zeros((64, 128), jnp.float16))
+        pallas_guard.uninstall()
+        guard("interpret", checks="compile")
+    assert len(list(kept.glob("*.json"))) == 1
