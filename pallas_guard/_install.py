@@ -112,7 +112,9 @@ class Installation:
                     if question.module == module.__name__:
                         self._wrap_host_question(module, question)
                 self._install_lowering_net()
-                from . import _device
+                from . import _device, _tpu_rules
+
+                _tpu_rules.install(self.hooks)
 
                 _device.apply()
             except Exception as error:  # the user's import must not fail because of us

@@ -674,6 +674,118 @@ def _shipped() -> list[Case]:
     return cases
 
 
+# Packing: TPU primitives with no rule in any JAX interpreter on a CPU; the guard's own rules run them.
+
+_WORDS = {8: np.uint8, 16: np.uint16, 32: np.uint32}
+
+
+def _width(dtype: Any) -> int:
+    return int(np.dtype(dtype).itemsize * 8) if np.dtype(dtype).itemsize else 4
+
+
+def _packing(unpacked: Any, packed: Any) -> int:
+    return _width(unpacked) // (4 if packed == jnp.int4 else _width(packed))
+
+
+def _pack(unpacked: Any, packed: Any, rows: int) -> Callable[[], Any]:
+    sources = _packing(unpacked, packed)
+
+    def kernel(xs_ref: Any, o_ref: Any) -> None:
+        o_ref[...] = pltpu.pack_elementwise([xs_ref[i] for i in range(sources)], packed_dtype=packed)
+
+    def build() -> Any:
+        return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((rows, 128), _WORDS[_width(unpacked)]))
+
+    return build
+
+
+def _unpack(unpacked: Any, packed: Any, index: int, rows: int) -> Callable[[], Any]:
+    def kernel(x_ref: Any, o_ref: Any) -> None:
+        o_ref[...] = pltpu.unpack_elementwise(x_ref[...], index=index, packed_dtype=packed, unpacked_dtype=unpacked)
+
+    def build() -> Any:
+        return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((rows, 128), unpacked))
+
+    return build
+
+
+def _pack_sources(seed: int, unpacked: Any, packed: Any, rows: int) -> Callable[[], tuple[np.ndarray, ...]]:
+    shape = (_packing(unpacked, packed), rows, 128)
+    if np.issubdtype(unpacked, np.floating):
+        return _one(_normal(seed, *shape, dtype=unpacked))
+    info = np.iinfo(unpacked)  # the whole range: narrowing keeps the low bits
+    return _one(np.random.default_rng(seed).integers(info.min, info.max, shape, dtype=unpacked, endpoint=True))
+
+
+def _words(seed: int, width: int, rows: int) -> Callable[[], tuple[np.ndarray, ...]]:
+    return _one(np.random.default_rng(seed).integers(0, 1 << width, (rows, 128), dtype=np.uint64).astype(_WORDS[width]))
+
+
+def _pack_edges() -> tuple[np.ndarray, ...]:
+    """float32 sources at bfloat16's edges: subnormals of both, ties, overflow to inf, NaN, -0."""
+    edges = np.array(
+        [1e-40, -1e-40, 1e-39, 5e-39, 1.1754944e-38, -1.1754942e-38, 1.0 + 2**-8, 1.0 + 3 * 2**-8,
+         3.3961776e38, 3.4028235e38, np.inf, -np.inf, np.nan, -0.0, 0.0, 65504.0],
+        np.float32,
+    )  # fmt: skip
+    bits = np.random.default_rng(180).integers(0, 1 << 32, (2, 8, 128), dtype=np.uint64).astype(np.uint32)
+    sources = bits.view(np.float32).copy()
+    sources[:, 0, : edges.size] = edges
+    return (sources,)
+
+
+def _no_packing() -> str | None:
+    has = hasattr(pltpu, "pack_elementwise") and hasattr(pltpu, "unpack_elementwise")
+    return None if has else "this jax has no pltpu.pack_elementwise"
+
+
+_PACKINGS = (
+    ("f32_bf16", np.float32, jnp.bfloat16, 8),
+    ("i32_i16", np.int32, jnp.int16, 8),
+    ("i32_i8", np.int32, jnp.int8, 8),
+    ("i32_i4", np.int32, jnp.int4, 8),
+    ("i16_i8", np.int16, jnp.int8, 16),
+    ("i8_i4", np.int8, jnp.int4, 32),
+)
+
+
+def _packing_cases() -> list[Case]:
+    cases = []
+    for seed, (name, unpacked, packed, rows) in enumerate(_PACKINGS, start=160):
+        cases.append(
+            Case(
+                f"pack.{name}",
+                _pack(unpacked, packed, rows),
+                _pack_sources(seed, unpacked, packed, rows),
+                f"pltpu.pack_elementwise of full-range {np.dtype(unpacked).name} sources",
+                skip=_no_packing,
+                tolerance=0.0,
+            )
+        )
+        for index in sorted({0, _packing(unpacked, packed) - 1}):
+            cases.append(
+                Case(
+                    f"unpack.{name}_{index}",
+                    _unpack(unpacked, packed, index, rows),
+                    _words(seed + 20, _width(unpacked), rows),
+                    f"pltpu.unpack_elementwise field {index} of random words",
+                    skip=_no_packing,
+                    tolerance=0.0,
+                )
+            )
+    cases.append(
+        Case(
+            "pack.f32_bf16_edges",
+            _pack(np.float32, jnp.bfloat16, 8),
+            _pack_edges,
+            "pltpu.pack_elementwise of random float32 bit patterns and bfloat16's edges",
+            skip=_no_packing,
+            tolerance=0.0,
+        )
+    )
+    return cases
+
+
 # --- the corpus ----------------------------------------------------------------------------------------
 
 _MIB = 1 << 20
@@ -1088,6 +1200,7 @@ def _all() -> list[Case]:
             "a core_parallel grid dimension (one TensorCore on a v5e)",
         ),
     ]
+    cases += _packing_cases()
     cases += _shipped()
     # Last, one process each on a TPU: block indices past the array halt the core.
     cases += [
