@@ -153,7 +153,7 @@ def check(build: Callable[[], Any], args: tuple[Any, ...], kwargs: dict[str, Any
     hook(_install.installation.hooks)
     token = _as_the_target.set(True)
     try:
-        with _device.presented(target.device):
+        with _device.presented(target.device), _internals.retrace_logs_muted():
             jax.jit(build()).trace(*avals, **kwavals).lower(lowering_platforms=(target.platform,))
     except (MemoryError, RecursionError):
         raise

@@ -271,7 +271,7 @@ def compile_kernel(
     try:
         # The topology device's own kind and cores: Pallas's TPU lowering (1-D blocks, `sign`) and
         # host code (`get_tpu_info()`) ask the abstract device, else this CPU.
-        with _device.presented(generation, like=device):
+        with _device.presented(generation, like=device), _internals.retrace_logs_muted():
             lowered = jax.jit(build()).lower(*avals, **kwavals)
     except (MemoryError, RecursionError):
         raise

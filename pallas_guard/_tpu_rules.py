@@ -4,11 +4,13 @@
 the plain interpreter and TPU interpret mode both end in "MLIR translation rule for primitive ...
 not found for platform cpu". Their semantics are defined bit for bit (JAX's docstrings and tests):
 packing narrows each source (integers to their low bits; float32 to bfloat16 as a TPU v5e does:
-rounded to nearest even, subnormals flushed to zero, every NaN the quiet NaN 0x7fc0) and places source ``i`` at bits ``[i * width, (i + 1) * width)`` of an
-unsigned word as wide as a source; unpacking takes field ``index`` back and widens it (sign-extended
-for signed integers; a bfloat16 field's bits, subnormals flushed to zero, NaNs the quiet NaN). The rules are registered for the CPU only, while the guard is installed, and
-only where this jax has no CPU rule of its own; ``tests/test_tpu_rules.py`` holds them against the
-outputs a TPU v5e gave (``tests/data/tpu_v5e_records.json``).
+rounded to nearest even, subnormals flushed to zero, every NaN the quiet NaN 0x7fc0) and places
+source ``i`` at bits ``[i * width, (i + 1) * width)`` of an unsigned word as wide as a source;
+unpacking takes field ``index`` back and widens it (sign-extended for signed integers; a bfloat16
+field's bits, subnormals flushed to zero, NaNs the quiet NaN). The rules are registered for the CPU
+only, while the guard is installed, and only where this jax has no CPU rule of its own;
+``tests/test_tpu_rules.py`` holds them against the outputs a TPU v5e gave
+(``tests/data/tpu_v5e_records.json``).
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ PRIMITIVES_MODULE = "jax._src.pallas.mosaic.primitives"
 
 def _bits(dtype: Any) -> int:
     import numpy as np
-
     from jax import dtypes
 
     itemsize_bits = getattr(dtypes, "itemsize_bits", None)
@@ -39,7 +40,6 @@ def _word(width: int) -> Any:
 def pack_elementwise(*xs: Any, packed_dtype: Any) -> Any:
     """Source ``i`` narrowed to ``packed_dtype`` at bits ``[i * w, (i + 1) * w)`` of each word."""
     import jax.numpy as jnp
-    from jax import lax
 
     source_width, width = _bits(xs[0].dtype), _bits(packed_dtype)
     mask = jnp.uint32((1 << width) - 1)

@@ -234,3 +234,27 @@ def test_every_shipped_kernel_lowers_for_its_own_target(case: Case, guard: Any) 
 def _family(case: Case) -> str | None:
     """The family the guard sees: the example kernel passes no compiler params (generic)."""
     return None if case.name == "tpu.example_kernel.double" else case.family
+
+
+@pytest.mark.parametrize("checks", ["lowering", "lowering,compile"])
+def test_what_jax_logs_while_tracing_a_kernel_is_logged_once(guard: Any, checks: str, caplog: Any) -> None:
+    """The checks trace the kernel again for its target; what JAX logged during the first trace (an
+    unused DMA descriptor) is not logged again: a test counting its log lines sees one."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    def unused_descriptor(x_hbm_ref, o_hbm_ref, sem):  # type: ignore[no-untyped-def]
+        pltpu.make_async_copy(x_hbm_ref, o_hbm_ref, sem)
+
+    guard("interpret", checks=checks, device="tpu-v5e")
+    kernel = pl.pallas_call(
+        unused_descriptor,
+        out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32),
+        in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+        out_specs=pl.BlockSpec(memory_space=pl.ANY),
+        scratch_shapes=[pltpu.SemaphoreType.DMA],
+    )
+    with caplog.at_level("ERROR"):
+        jax.block_until_ready(kernel(jnp.zeros((8, 128))))
+    logged = [r for r in caplog.records if "AsyncCopyDescriptor was not used" in r.getMessage()]
+    assert len(logged) == 1
+    assert any(n.startswith("lowering: lowers for") for d in pallas_guard.decisions() for n in d.notes)
