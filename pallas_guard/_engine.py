@@ -419,7 +419,7 @@ class Run:
     def _commit(self, name: str, tried: tuple[str, ...]) -> None:
         """Record (and warn) for interpreter ``name``; a plain run under a trace is the net's to
         record, at lowering, where the target is certain: the ledger tells it what was tried."""
-        notes = tuple(note for note in (self.candidates.checks_note, *self.check_notes) if note)
+        notes = tuple(note for note in (self.candidates.checks_note, self.candidates.note, *self.check_notes) if note)
         if name != "plain" and _internals.export_platforms() is not None:
             raise _diagnostics.unexportable(
                 kernel=self.kernel.info,

@@ -45,6 +45,9 @@ class KernelFacts(NamedTuple):
     whole_windows_over_grid: str | None = None
     """A ``pallas_call`` whose grid has more than one step and whose block specs all address
     whole arrays (no block shape: ``plgpu.GMEM`` refs), or None."""
+    draws_random_bits: str | None = None
+    """Where the body draws from the TPU's generator (``pltpu.prng_random_bits``, the
+    ``stateful_*`` samplers), or None."""
 
 
 GENERIC = KernelFacts(None, "no backend-specific compiler_params, mesh, grid spec or scratch types", None)
@@ -70,6 +73,8 @@ class Candidates(NamedTuple):
     kernel, to explain its failure."""
     eager_dmas: bool = False
     """TPU interpret mode with eager DMA execution (cross-device kernels)."""
+    note: str | None = None
+    """What the answer of the interpreter chosen is not (a TPU's random bits), for the decision."""
 
 
 PLAIN_ONLY = Candidates(("plain",), "the plain interpreter runs single-device kernels correctly and fastest")
@@ -245,7 +250,19 @@ def kernel_facts(entry_point: str, body: object, kwargs: Mapping[str, Any], mesh
         _captured_refs(body),
         _plain_risk(body, kwargs, scratch) if family == "mosaic_tpu" else None,
         _whole_windows_over_grid(entry_point, kwargs),
+        _draws_random_bits(body),
     )
+
+
+_RANDOM_BITS_NAMES = frozenset({"prng_random_bits", "stateful_uniform", "stateful_normal", "stateful_bits"})
+
+
+def _draws_random_bits(body: object) -> str | None:
+    for code in code_objects(body, helpers=True):
+        names = _RANDOM_BITS_NAMES.intersection(code.co_names)
+        if names:
+            return f"{code.co_name} draws with {', '.join(sorted(names))}"
+    return None
 
 
 def _whole_windows_over_grid(entry_point: str, kwargs: Mapping[str, Any]) -> str | None:
@@ -385,6 +402,14 @@ GETS_WRONG = (
         "jax 0.7.2 and 0.10.2 (1023 of 1024 elements wrong); right in 0.11.2 and 0.12.0.1",
     ),
     Gap(
+        "tpu",
+        "draws_random_bits",
+        "returns zeros for every pltpu.prng_random_bits",
+        None,
+        "tests/test_tpu_rules.py: pltpu.prng_random_bits of a seeded kernel is all zeros in TPU interpret mode "
+        "in jax 0.10.2 and 0.12.0.1 (its rule is a TODO there); the plain interpreter draws with the guard's rule",
+    ),
+    Gap(
         "gpu",
         "whole_windows_over_grid",
         "runs every step of a pallas_call's grid as program 0 (the rest of the output is never written: NaN)",
@@ -448,8 +473,9 @@ def candidates(
     # Races are found only by TPU interpret mode and the Mosaic-GPU interpreter: the check moves a
     # kernel there. Bounds are checked wherever the kernel runs: the plain interpreter by the
     # guard's index checks (at its own speed), the other two by their own out-of-bounds check.
+    tpu_wrong = gets_wrong("tpu", facts) if forced is Interpreter.AUTO else None
     if "races" in checks and forced in (Interpreter.AUTO, Interpreter.TPU) and facts.family in (None, "mosaic_tpu"):
-        checking = "tpu"
+        checking = "tpu" if tpu_wrong is None else None
     elif "races" in checks and forced in (Interpreter.AUTO, Interpreter.GPU) and facts.family == "mosaic_gpu":
         checking = "gpu"
     if checking is not None:
@@ -473,14 +499,23 @@ def candidates(
         )
     chosen = chosen._replace(checked=bounds)
     if "races" in checks:
-        why = (
-            f"interpreter {forced.value!r} is forced by {setting.source}"
-            if forced is not Interpreter.AUTO
-            else f"{_FAMILY_NAMES.get(facts.family or '', 'these')} kernels run in the plain interpreter, "
-            "which cannot detect races"
-        )
+        if forced is not Interpreter.AUTO:
+            why = f"interpreter {forced.value!r} is forced by {setting.source}"
+        elif tpu_wrong is not None:
+            why = f"not in TPU interpret mode, which detects races: {tpu_wrong}"
+        else:
+            family = _FAMILY_NAMES.get(facts.family or "", "these")
+            why = f"{family} kernels run in the plain interpreter, which cannot detect races"
         chosen = chosen._replace(checks_note=_unchecked(checks - bounds, why))
+    if facts.draws_random_bits and chosen.names[0] == "plain":
+        chosen = chosen._replace(note=f"{facts.draws_random_bits}: {PLAIN_RANDOM_BITS}")
     return chosen
+
+
+PLAIN_RANDOM_BITS = (
+    "its random bits are pallas_guard's on a CPU (the same seeds give the same bits, each draw new ones), "
+    "not the TPU's generator's"
+)
 
 
 def _unchecked(checks: frozenset[str], why: str) -> str | None:

@@ -15,7 +15,10 @@ only, while the guard is installed, and only where this jax has no CPU rule of i
 
 from __future__ import annotations
 
+import functools
+import inspect
 import sys
+import threading
 from typing import Any
 
 from . import _internals
@@ -87,19 +90,124 @@ def unpack_elementwise(x: Any, *, index: int, packed_dtype: Any, unpacked_dtype:
     return signed.astype(unpacked_dtype)
 
 
+# --- PRNG ------------------------------------------------------------------------------------------
+# ``pltpu.prng_seed`` sets a core's generator, ``pltpu.prng_random_bits`` draws from it. JAX's
+# interpreters on a CPU have no rule for the first and TPU interpret mode returns zeros for the
+# second: a dropout mask of zeros, silently. Here a seed becomes a 32-bit key (the seeds mixed by
+# murmur3's finaliser) and each draw hashes (key, draw number, element index): the same seeds give
+# the same bits, other seeds other bits, each draw new bits. Not the TPU's bits (its generator is
+# the hardware's). A draw uses the seed set before it in the same block of the kernel body (where
+# a kernel seeds at each grid step, as JAX's kernels do); a draw with no seed there is refused with
+# the reason, never given zeros.
+
+_GOLDEN = 0x9E3779B9
+_STREAMS = 8
+"""Seeds remembered per thread: a draw follows its seed within one kernel body."""
+
+
+def _mix(h: Any) -> Any:
+    """murmur3's 32-bit finaliser: every input bit flips about half the output bits."""
+    import jax.numpy as jnp
+
+    h = h ^ (h >> jnp.uint32(16))
+    h = h * jnp.uint32(0x85EBCA6B)
+    h = h ^ (h >> jnp.uint32(13))
+    h = h * jnp.uint32(0xC2B2AE35)
+    return h ^ (h >> jnp.uint32(16))
+
+
+def _key(*seeds: Any) -> Any:
+    import jax.numpy as jnp
+
+    key = jnp.uint32(0x243F6A88)
+    for seed in seeds:
+        key = _mix(key ^ (jnp.asarray(seed).astype(jnp.uint32) + jnp.uint32(_GOLDEN)))
+    return key
+
+
+def _draw(key: Any, *, draw: int, shape: tuple[int, ...]) -> Any:
+    import jax.numpy as jnp
+    from jax import lax
+
+    index = jnp.zeros(shape, jnp.uint32)
+    stride = 1
+    for axis in reversed(range(len(shape))):  # the row-major element index, as broadcasts of iotas
+        index = index + lax.broadcasted_iota(jnp.uint32, shape, axis) * jnp.uint32(stride)
+        stride *= shape[axis]
+    stream = _mix(key ^ jnp.uint32((draw * _GOLDEN + 1) & 0xFFFFFFFF))
+    return lax.bitcast_convert_type(_mix(_mix(index ^ stream) + stream), jnp.int32)
+
+
+class _Seeded(threading.local):
+    def __init__(self) -> None:
+        self.streams: list[tuple[Any, Any, Any, list[int]]] = []
+        """(MLIR module, block, the key's IR value, draws so far): the latest seeds lowered. The
+        module is held so that its blocks stay alive: a freed block's address is never mistaken
+        for a block of a later module."""
+
+
+_seeded = _Seeded()
+
+
+def _current_block() -> Any:
+    ir: Any = getattr(_internals.import_optional("jax._src.lib.mlir"), "ir", None)
+    return ir.InsertionPoint.current.block
+
+
+def seed_rule(ctx: Any, *seeds: Any) -> list[Any]:
+    lower_fun = _lower_fun()
+    (key,) = lower_fun(_key, multiple_results=False)(ctx, *seeds)
+    module, block = ctx.module_context.module, _current_block()
+    kept = [entry for entry in _seeded.streams if not (entry[0] is module and entry[1] == block)]
+    _seeded.streams = [*kept[-(_STREAMS - 1) :], (module, block, key, [0])]
+    return []
+
+
+def random_bits_rule(ctx: Any, *, shape: tuple[int, ...]) -> Any:
+    import jax.numpy as jnp
+    from jax import core
+
+    module, block = ctx.module_context.module, _current_block()
+    stream = next((e for e in reversed(_seeded.streams) if e[0] is module and e[1] == block), None)
+    if stream is None:
+        raise NotImplementedError(
+            "pltpu.prng_random_bits on a CPU (pallas_guard's rule): this draw has no pltpu.prng_seed before it "
+            "in the same block of the kernel body (seeded in a branch, a loop or an earlier grid step, or drawn "
+            "inside a function JAX lowers apart, as pltpu.stateful_uniform and the other stateful_* samplers do), "
+            "so its bits cannot be given here; seed where you draw with prng_random_bits, or run the kernel on a TPU"
+        )
+    _, _, key, draws = stream
+    shaped: Any = core.ShapedArray
+    function = functools.partial(_draw, draw=draws[0], shape=tuple(shape))
+    draws[0] += 1
+    return _lower_fun()(function, multiple_results=False)(ctx.replace(avals_in=[shaped((), jnp.uint32)]), key)
+
+
+def _lower_fun() -> Any:
+    tools = _internals.lowering_tools()
+    assert tools is not None  # install() registers no rule without them
+    return tools[2]
+
+
 RULES = {"pack_elementwise_p": pack_elementwise, "unpack_elementwise_p": unpack_elementwise}
 """Primitive (by its name in ``PRIMITIVES_MODULE``) -> the function its CPU rule lowers."""
+LOWERING_RULES = {"prng_seed_p": seed_rule, "prng_random_bits_p": random_bits_rule}
+"""Primitive -> its CPU rule, which keeps what it needs across equations (the seed)."""
 
 
 class Installed:
     """One CPU rule registered here, removed again on ``uninstall()`` (a hook: ``restore()``)."""
 
-    def __init__(self, registry: _internals.LoweringRegistry, primitive: Any, rule: Any) -> None:
+    def __init__(self, registry: _internals.LoweringRegistry, primitive: Any, rule: Any, uncached: Any) -> None:
         self.registry, self.primitive, self.rule = registry, primitive, rule
+        self.uncached = uncached
+        """JAX's set of primitives lowered in place, where registering added this one; else None."""
 
     def restore(self) -> None:
         if _internals.unwrap_rule(self.registry.cpu.get(self.primitive)) is self.rule:
             del self.registry.cpu[self.primitive]  # someone who registered over us keeps theirs
+        if self.uncached is not None:
+            self.uncached.discard(self.primitive)
 
 
 def install(hooks: list[Any]) -> None:
@@ -111,10 +219,15 @@ def install(hooks: list[Any]) -> None:
     if module is None or registry is None or tools is None:
         return
     lower_fun = tools[2]
-    for name, function in RULES.items():
+    rules = {name: lower_fun(function, multiple_results=False) for name, function in RULES.items()}
+    # The PRNG rules keep state across equations: emitted in place, not cached as a function per
+    # equation signature (which would put a seed and its draw in different functions).
+    in_place = {"cacheable": False} if "cacheable" in inspect.signature(registry.register_lowering).parameters else {}
+    for name, rule in {**rules, **LOWERING_RULES}.items():
         primitive = getattr(module, name, None)
         if primitive is None or primitive in registry.cpu:
             continue
-        rule = lower_fun(function, multiple_results=False)
-        registry.register_lowering(primitive, rule, platform="cpu")
-        hooks.append(Installed(registry, primitive, rule))
+        uncached = getattr(sys.modules.get("jax._src.interpreters.mlir"), "_uncacheable_primitives", None)
+        added = name in LOWERING_RULES and isinstance(uncached, set) and primitive not in uncached
+        registry.register_lowering(primitive, rule, platform="cpu", **(in_place if name in LOWERING_RULES else {}))
+        hooks.append(Installed(registry, primitive, rule, uncached if added else None))

@@ -68,3 +68,94 @@ def test_the_rules_are_the_guards_and_leave_with_it(guard: Any) -> None:
     jax.clear_caches()
     with pytest.raises(NotImplementedError, match="pack_elementwise"):
         call(sources)
+
+
+# --- PRNG ------------------------------------------------------------------------------------------
+
+
+def _bits_of(out: Any) -> np.ndarray:
+    return np.unpackbits(np.asarray(out).view(np.uint8))
+
+
+def test_tpu_interpret_mode_draws_zeros_so_the_guard_keeps_prng_kernels_out_of_it(guard: Any) -> None:
+    """The gap the interpreter table records: forced by hand, TPU interpret mode returns zeros."""
+    case = tpu_corpus.by_name("prng.bits")
+    guard("interpret", interpreter="tpu")
+    assert not np.asarray(case.build()(*case.inputs())).any()
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "jit"])
+def test_seeded_draws_are_random_repeatable_and_said_not_to_be_the_tpus(guard: Any, traced: bool) -> None:
+    guard("interpret", checks="races")
+    per_step = tpu_corpus.by_name("prng.per_block")  # seeds with (seed, program_id) at each of 4 steps
+    kernel = per_step.build()
+    call = jax.jit(kernel) if traced else kernel
+    (seed,) = per_step.inputs()
+    first, again, other = (np.asarray(call(s)) for s in (seed, seed, seed + 1))
+    np.testing.assert_array_equal(first, again)
+    assert 0.48 < _bits_of(first).mean() < 0.52  # 131072 bits
+    assert (first != other).mean() > 0.99
+    blocks = first.reshape(4, 8, 128)
+    assert all((blocks[i] != blocks[j]).mean() > 0.99 for i in range(4) for j in range(i))
+    decision = pallas_guard.decisions()[-1]
+    assert decision.interpreter == "plain"
+    assert any(note.endswith("not the TPU's generator's") for note in decision.notes), decision.notes
+    assert any("not in TPU interpret mode, which detects races" in note for note in decision.notes), decision.notes
+
+
+def test_each_draw_after_a_seed_gives_new_bits(guard: Any) -> None:
+    from jax.experimental.pallas import tpu as pltpu
+
+    def twice(seed_ref, o_ref):  # type: ignore[no-untyped-def]
+        pltpu.prng_seed(seed_ref[0])
+        o_ref[0] = pltpu.prng_random_bits((8, 128))
+        o_ref[1] = pltpu.prng_random_bits((8, 128))
+
+    guard("interpret")
+    call = pl.pallas_call(
+        twice,
+        out_shape=jax.ShapeDtypeStruct((2, 8, 128), jnp.int32),
+        in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM)],
+    )
+    out = np.asarray(call(jnp.array([3], jnp.int32)))
+    assert (out[0] != out[1]).mean() > 0.99
+
+
+def test_a_draw_with_no_seed_before_it_is_refused_not_given_zeros(guard: Any) -> None:
+    from jax.experimental.pallas import tpu as pltpu
+
+    def seeded_at_the_first_step(seed_ref, o_ref):  # type: ignore[no-untyped-def]
+        @pl.when(pl.program_id(0) == 0)
+        def _() -> None:
+            pltpu.prng_seed(seed_ref[0])
+
+        o_ref[...] = pltpu.prng_random_bits(o_ref.shape)
+
+    guard("interpret")
+    call = pl.pallas_call(
+        seeded_at_the_first_step,
+        out_shape=jax.ShapeDtypeStruct((16, 128), jnp.int32),
+        grid=(2,),
+        in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM)],
+        out_specs=pl.BlockSpec((8, 128), lambda i: (i, 0)),
+    )
+    with pytest.raises(NotImplementedError, match=r"no pltpu\.prng_seed before it in the same block"):
+        call(jnp.array([1], jnp.int32))
+
+
+def test_a_stateful_sampler_is_refused_with_the_reason_not_given_zeros(guard: Any) -> None:
+    from jax.experimental.pallas import tpu as pltpu
+
+    if not hasattr(pltpu, "stateful_uniform"):
+        pytest.skip("this jax has no pltpu.stateful_uniform")
+
+    def uniform(seed_ref, o_ref):  # type: ignore[no-untyped-def]
+        pltpu.prng_seed(seed_ref[0])
+        o_ref[...] = pltpu.stateful_uniform(o_ref.shape, minval=0.0, maxval=1.0)
+
+    guard("interpret")
+    call = pl.pallas_call(
+        uniform, out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32), in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM)]
+    )
+    with pytest.raises(NotImplementedError, match=r"pltpu\.stateful_uniform and the other stateful_\* samplers"):
+        call(jnp.array([1], jnp.int32))
