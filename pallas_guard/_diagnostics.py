@@ -455,7 +455,7 @@ def lowering_refused(
     """The kernel's real target refused it (``target``: the platform, the device and where it came
     from), in JAX's lowering or the target's compiler (``check``); the interpreted result is not
     returned. JAX's text is said once, here (the error is raised without its cause)."""
-    said = _refusal_text(error)
+    said = _refusal_text(error, _REFUSAL_LINES if check == "lowering" else _COMPILER_LINES)
     fix = fix or refusal_fix(error)
     return PallasGuardError(
         f"pallas_guard: {_describe(kernel, call_site)} runs interpreted on the CPU, but its target refuses "
@@ -467,12 +467,15 @@ def lowering_refused(
 
 _REFUSAL_LINES = 8
 """Lines of JAX's refusal kept: its first lines say what and where; the rest is MLIR context."""
+_COMPILER_LINES = 60
+"""Lines of the TPU compiler's refusal kept: all of it, as the TPU raises it, up to a runaway
+dump (a VMEM overflow lists each allocation, with the operand it is for, in about 25 lines)."""
 
 
-def _refusal_text(error: BaseException) -> str:
+def _refusal_text(error: BaseException, keep: int) -> str:
     lines = [line.rstrip() for line in f"{type(error).__name__}: {error}".splitlines() if line.strip()]
-    if len(lines) > _REFUSAL_LINES:
-        lines = [*lines[:_REFUSAL_LINES], f"... ({len(lines) - _REFUSAL_LINES} more lines)"]
+    if len(lines) > keep:
+        lines = [*lines[:keep], f"... ({len(lines) - keep} more lines)"]
     return "\n  ".join(lines)
 
 

@@ -48,6 +48,8 @@ class KernelFacts(NamedTuple):
     draws_random_bits: str | None = None
     """Where the body draws from the TPU's generator (``pltpu.prng_random_bits``, the
     ``stateful_*`` samplers), or None."""
+    host_memory: str | None = None
+    """An operand in host memory (``pl.HOST``, ``pltpu.HOST``), or None."""
 
 
 GENERIC = KernelFacts(None, "no backend-specific compiler_params, mesh, grid spec or scratch types", None)
@@ -251,7 +253,16 @@ def kernel_facts(entry_point: str, body: object, kwargs: Mapping[str, Any], mesh
         _plain_risk(body, kwargs, scratch) if family == "mosaic_tpu" else None,
         _whole_windows_over_grid(entry_point, kwargs),
         _draws_random_bits(body),
+        _host_memory(kwargs),
     )
+
+
+def _host_memory(kwargs: Mapping[str, Any]) -> str | None:
+    for space in _block_spec_spaces(kwargs):
+        word = str(getattr(space, "name", space)).upper()
+        if space is not None and "HOST" in word:
+            return f"an operand in memory space {word}"
+    return None
 
 
 _RANDOM_BITS_NAMES = frozenset({"prng_random_bits", "stateful_uniform", "stateful_normal", "stateful_bits"})
@@ -378,7 +389,8 @@ def _filled(cell: types.CellType) -> bool:
 
 
 class Gap(NamedTuple):
-    """Something an interpreter gets wrong: it runs the kernel, and the answer is wrong."""
+    """Something an interpreter gets wrong: it runs the kernel and the answer is wrong, or it fails
+    on a kernel another interpreter runs right."""
 
     interpreter: str
     """``"plain"``, ``"tpu"`` or ``"gpu"``."""
@@ -408,6 +420,14 @@ GETS_WRONG = (
         None,
         "tests/test_tpu_rules.py: pltpu.prng_random_bits of a seeded kernel is all zeros in TPU interpret mode "
         "in jax 0.10.2 and 0.12.0.1 (its rule is a TODO there); the plain interpreter draws with the guard's rule",
+    ),
+    Gap(
+        "tpu",
+        "host_memory",
+        "fails on it (KeyError: MemorySpace.HOST, or a safe_zip() length error) where the plain interpreter runs it",
+        None,
+        "tests/test_interpreter_choice.py: a DMA from HBM into a pl.HOST output, jitted with a pinned_host output "
+        "sharding (JAX's test_hbm_to_host_host_output_dma), in jax 0.10.2 (0.12.0.1 builds such outputs otherwise)",
     ),
     Gap(
         "gpu",

@@ -214,3 +214,27 @@ def test_a_compile_that_succeeded_is_kept_on_disk_and_a_refusal_is_not(
         pallas_guard.uninstall()
         guard("interpret", checks="compile")
     assert len(list(kept.glob("*.json"))) == 1
+
+
+@needs_libtpu
+def test_a_vmem_overflow_says_which_operands_window_overflows(guard: Any) -> None:
+    """The TPU compiler's message whole: its list of allocations names each operand's window (what
+    JAX's own VMEM tests look for), not cut after a few lines. Lowered only: nothing is allocated."""
+    guard("interpret", checks="compile")
+    block, shape = (2048, 8192), (4096, 16384)  # 64 MiB windows, double-buffered, in and out: 256 of 128 MiB
+    spec = pl.BlockSpec(block, lambda i, j: (i, j))
+    call = pl.pallas_call(
+        add_one,
+        out_shape=jax.ShapeDtypeStruct(shape, jnp.float32),
+        grid=(2, 2),
+        in_specs=[spec],
+        out_specs=spec,
+        compiler_params=pltpu.CompilerParams(),
+    )
+    with pytest.raises(jax.errors.JaxRuntimeError) as raised:
+        jax.jit(call).lower(jax.ShapeDtypeStruct(shape, jnp.float32))
+    text = str(raised.value)
+    assert isinstance(raised.value, PallasGuardError)
+    assert "input window allocation for operator input 0" in text
+    assert "output window allocation for operator output 0" in text
+    assert "more lines" not in text

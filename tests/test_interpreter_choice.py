@@ -417,3 +417,39 @@ def test_auto_without_checks_or_family_is_the_plain_interpreter_alone() -> None:
     """No family and no checks: the plain interpreter, unverified and unchecked."""
     chosen = _interpreters.candidates(AUTO)
     assert (chosen.names, chosen.verify, chosen.detect_races, chosen.checked) == (("plain",), False, False, frozenset())
+
+
+def dma_to_host(y_hbm_ref, x_host_ref):  # type: ignore[no-untyped-def]
+    def body(sem):  # type: ignore[no-untyped-def]
+        pltpu.async_copy(y_hbm_ref, x_host_ref, sem).wait()
+
+    pl.run_scoped(body, pltpu.SemaphoreType.DMA)
+
+
+@pytest.mark.skipif(not callable(getattr(pl, "HOST", None)), reason="this jax builds host outputs otherwise")
+def test_a_host_memory_output_stays_in_plain_under_races_and_the_note_says_why(guard: Callable[..., None]) -> None:
+    """TPU interpret mode fails on a pl.HOST output (the interpreter table's row); the races check
+    does not move such a kernel there, and says it could not check it."""
+    host = jax.sharding.NamedSharding(
+        jax.sharding.Mesh(jax.devices(), "x"), jax.sharding.PartitionSpec(), memory_kind="pinned_host"
+    )
+    x = jnp.arange(8 * 128.0).reshape((8, 128))
+
+    def call(x: jax.Array) -> jax.Array:
+        return pl.pallas_call(
+            dma_to_host,
+            in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+            out_specs=pl.BlockSpec(memory_space=pl.HOST),
+            out_shape=pl.HOST(shape=(8, 128), dtype=jnp.float32),
+        )(x)
+
+    guard("interpret", interpreter="tpu")
+    with pytest.raises(Exception, match=r"MemorySpace.HOST|safe_zip\(\) argument 1 has length 2"):
+        jax.jit(call, out_shardings=host)(x)
+    pallas_guard.uninstall()
+    jax.clear_caches()
+    guard("interpret", checks="races")
+    np.testing.assert_array_equal(jax.jit(call, out_shardings=host)(x), x)
+    decision = pallas_guard.decisions()[-1]
+    assert decision.interpreter == "plain"
+    assert any("races could not be checked: not in TPU interpret mode" in note for note in decision.notes)
