@@ -415,3 +415,14 @@ def test_advice_is_phrased_for_the_surface_that_set_the_value(
     name: str, value: object, source: str, advice: str
 ) -> None:
     assert _settings.how_to_set(name, value, source) == advice
+
+
+def test_the_pytest_page_lists_every_setting_with_its_option_ini_name_and_variable() -> None:
+    from conftest import REPO_ROOT
+
+    page = (REPO_ROOT / "docs" / "pytest.md").read_text()
+    rows = [line for line in page.splitlines() if line.startswith("| ") and "--pallas-guard-" in line]
+    for option in OPTIONS.values():
+        row = next((r for r in rows if f"`{option.pytest_option}=" in r), None)
+        assert row is not None, f"docs/pytest.md has no row for {option.pytest_option}"
+        assert option.ini in row and option.variables()[0] in row, row
