@@ -50,6 +50,9 @@ class KernelFacts(NamedTuple):
     ``stateful_*`` samplers), or None."""
     host_memory: str | None = None
     """An operand in host memory (``pl.HOST``, ``pltpu.HOST``), or None."""
+    revisits_outputs: str | None = None
+    """An output block spec that lets any later grid step revisit its block
+    (``pl.Buffered(..., revisit=pl.RevisitMode.ANY)``), or None."""
 
 
 GENERIC = KernelFacts(None, "no backend-specific compiler_params, mesh, grid spec or scratch types", None)
@@ -254,7 +257,17 @@ def kernel_facts(entry_point: str, body: object, kwargs: Mapping[str, Any], mesh
         _whole_windows_over_grid(entry_point, kwargs),
         _draws_random_bits(body),
         _host_memory(kwargs),
+        _revisits_outputs(kwargs),
     )
+
+
+def _revisits_outputs(kwargs: Mapping[str, Any]) -> str | None:
+    grid_spec = kwargs.get("grid_spec")
+    for spec in _leaves([kwargs.get("out_specs"), getattr(grid_spec, "out_specs", None)]):
+        revisit = getattr(getattr(spec, "pipeline_mode", None), "revisit", None)
+        if str(getattr(revisit, "name", revisit or "")).upper() == "ANY":
+            return "an output block spec revisits its block at any step (revisit=pl.RevisitMode.ANY)"
+    return None
 
 
 def _host_memory(kwargs: Mapping[str, Any]) -> str | None:
@@ -428,6 +441,14 @@ GETS_WRONG = (
         None,
         "tests/test_interpreter_choice.py: a DMA from HBM into a pl.HOST output, jitted with a pinned_host output "
         "sharding (JAX's test_hbm_to_host_host_output_dma), in jax 0.10.2 (0.12.0.1 builds such outputs otherwise)",
+    ),
+    Gap(
+        "tpu",
+        "revisits_outputs",
+        "refuses it as it runs ('Revisited block ... of output 0'), though a TPU runs it",
+        None,
+        "tests/test_interpreter_choice.py: JAX's test_block_reduction_with_non_immediate_revisit kernel (an "
+        "accumulator over a (3, 3) grid, revisit=ANY), in jax 0.10.2 and 0.12.0.1; the plain interpreter is exact",
     ),
     Gap(
         "gpu",

@@ -453,3 +453,43 @@ def test_a_host_memory_output_stays_in_plain_under_races_and_the_note_says_why(g
     decision = pallas_guard.decisions()[-1]
     assert decision.interpreter == "plain"
     assert any("races could not be checked: not in TPU interpret mode" in note for note in decision.notes)
+
+
+def accumulate_rows(x_ref, o_ref):  # type: ignore[no-untyped-def]
+    @pl.when(pl.program_id(0) == 0)
+    def _() -> None:
+        o_ref[...] = jnp.zeros_like(o_ref)
+
+    o_ref[...] = o_ref[...] + x_ref[...]
+
+
+@pytest.mark.skipif(not hasattr(pl, "RevisitMode"), reason="this jax has no pl.RevisitMode")
+@pytest.mark.parametrize("checks", ["races", "agree"])
+def test_an_output_revisited_at_any_step_stays_in_plain_under_races_and_agree(
+    guard: Callable[..., None], checks: str
+) -> None:
+    """JAX's reduction with non-immediate revisits (revisit=ANY): TPU interpret mode refuses it as
+    it runs (the interpreter table's row); races and agree leave it to plain and say why."""
+    x = jnp.arange(24 * 384, dtype=jnp.float32).reshape(24, 384)
+    out_spec = pl.BlockSpec((8, 128), lambda i, j: (0, j), pipeline_mode=pl.Buffered(1, revisit=pl.RevisitMode.ANY))
+
+    def reduction(x: jax.Array) -> jax.Array:
+        return pl.pallas_call(
+            accumulate_rows,
+            out_shape=jax.ShapeDtypeStruct((8, 384), jnp.float32),
+            in_specs=[pl.BlockSpec((8, 128), lambda i, j: (i, j))],
+            out_specs=out_spec,
+            grid=(3, 3),
+        )(x)
+
+    guard("interpret", interpreter="tpu")
+    with pytest.raises(Exception, match="Revisited block"):
+        jax.block_until_ready(jax.jit(reduction)(x))
+    pallas_guard.uninstall()
+    jax.clear_caches()
+    guard("interpret", checks=checks)
+    np.testing.assert_array_equal(jax.jit(reduction)(x), x.reshape(3, 8, 384).sum(axis=0))
+    assert not [d for d in pallas_guard.decisions() if d.action == "found"]
+    if checks == "races":
+        notes = pallas_guard.decisions()[-1].notes
+        assert any("revisit=pl.RevisitMode.ANY), and TPU interpret mode refuses it" in n for n in notes), notes
