@@ -273,4 +273,23 @@ def _kernel_wrapper_class() -> type:
             # needed to load it.
             return operator.itemgetter(0), ((self.__wrapped__,),)
 
+        def lower(self, *args: Any, **kwargs: Any) -> Any:
+            return _staged(self, "lower", args, kwargs)
+
+        def trace(self, *args: Any, **kwargs: Any) -> Any:
+            return _staged(self, "trace", args, kwargs)
+
     return KernelWrapper
+
+
+def _staged(wrapper: Any, stage: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``kernel.lower(...)``/``kernel.trace(...)`` on a kernel JAX returned jitted: JAX's own, unless
+    a check in force acts at the call (it lowers or compiles the kernel for its target, or runs
+    it), which a stage method would skip; then staged through the guarded call, as
+    ``jax.jit(kernel).lower(...)`` is."""
+    own = getattr(wrapper.__wrapped__, stage)  # AttributeError as without the guard
+    if not wrapper._self_enabled() or not _checks.at_front_door(frozenset(_settings.current("checks").value)):  # noqa: SLF001
+        return own(*args, **kwargs)
+    import jax
+
+    return getattr(jax.jit(wrapper), stage)(*args, **kwargs)

@@ -238,3 +238,17 @@ def test_a_vmem_overflow_says_which_operands_window_overflows(guard: Any) -> Non
     assert "input window allocation for operator input 0" in text
     assert "output window allocation for operator output 0" in text
     assert "more lines" not in text
+
+
+@needs_libtpu
+def test_the_kernels_own_lower_goes_through_the_checks(guard: Any) -> None:
+    """``kernel.lower(...)`` (a kernel JAX returns jitted) is checked as ``jax.jit(kernel).lower(...)``
+    is: the TPU compiler's refusal at the user's line, not a CPU lowering that skips the check."""
+    guard("interpret", checks="compile")
+    call = _kernel((2048, 4096), jnp.float32)  # 32 MiB blocks, in and out: over v5e's 16 MiB
+    if not hasattr(call, "lower"):
+        pytest.skip("this jax's pallas_call returns a plain function")
+    with pytest.raises(PallasGuardError, match="for tpu-v5e"):
+        call.lower(jax.ShapeDtypeStruct((2048, 4096), jnp.float32))
+    with pallas_guard.policy(checks="none"):
+        call.lower(jax.ShapeDtypeStruct((2048, 4096), jnp.float32))  # JAX's own stage, unchecked
