@@ -266,13 +266,15 @@ def compile_kernel(
         return Outcome(generation, None, smem_limit=smem_limit, unchecked=device)
     import jax
 
-    avals, kwavals = _placed((args, kwargs), jax.sharding.SingleDeviceSharding(device))
+    on_the_tpu = jax.sharding.SingleDeviceSharding(device)
+    avals, kwavals = _placed((args, kwargs), on_the_tpu)
     start = time.perf_counter()
     try:
         # The topology device's own kind and cores: Pallas's TPU lowering (1-D blocks, `sign`) and
-        # host code (`get_tpu_info()`) ask the abstract device, else this CPU.
+        # host code (`get_tpu_info()`) ask the abstract device, else this CPU. The outputs are
+        # placed there too: a kernel without array inputs would otherwise compile for the CPU.
         with _device.presented(generation, like=device), _internals.retrace_logs_muted():
-            lowered = jax.jit(build()).lower(*avals, **kwavals)
+            lowered = jax.jit(build(), out_shardings=on_the_tpu).lower(*avals, **kwavals)
     except (MemoryError, RecursionError):
         raise
     except Exception as error:

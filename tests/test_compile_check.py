@@ -252,3 +252,26 @@ def test_the_kernels_own_lower_goes_through_the_checks(guard: Any) -> None:
         call.lower(jax.ShapeDtypeStruct((2048, 4096), jnp.float32))
     with pallas_guard.policy(checks="none"):
         call.lower(jax.ShapeDtypeStruct((2048, 4096), jnp.float32))  # JAX's own stage, unchecked
+
+
+@needs_libtpu
+def test_a_kernel_without_inputs_is_compiled_for_the_tpu(guard: Any) -> None:
+    """Nothing of its own places such a kernel on the TPU: its outputs are. Two 10 MiB windows of an
+    output revisited at every step exceed v5e's 16 MiB (JAX's test_automatic_single_buffering); the
+    same output with one window a step compiles."""
+
+    def writes_nothing(o_ref):  # type: ignore[no-untyped-def]
+        del o_ref
+
+    guard("interpret", checks="compile", device="tpu-v5e")
+    out = jax.ShapeDtypeStruct((100 * 1024 * 1024,), jnp.int8)
+    window = 10 * 1024 * 1024
+
+    def kernel(index_map: Any) -> Any:
+        return pl.pallas_call(writes_nothing, grid=(4, 1), out_shape=out, out_specs=pl.BlockSpec((window,), index_map))
+
+    with pytest.raises(jax.errors.JaxRuntimeError, match="Ran out of memory in memory space vmem"):
+        jax.jit(kernel(lambda i, j: (j + i,))).lower()
+    jax.jit(kernel(lambda i, j: (j,))).lower()
+    note = [n for d in pallas_guard.decisions() for n in d.notes if n.startswith("compile:")][-1]
+    assert note.startswith("compile: compiles for tpu-v5e: VMEM 10.0 MiB of 16.0 MiB"), note
