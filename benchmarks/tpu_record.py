@@ -4,6 +4,11 @@ On a TPU machine (the one command; it writes the records as JSON)::
 
     python benchmarks/tpu_record.py --out "$OUT/tpu_records.json"
 
+On a TPU, with the guard installed (policy strict, every check), compared with the records made
+without it (same phase for every kernel, the run's included, and the same output bytes)::
+
+    python benchmarks/tpu_record.py --guarded strict --out "$OUT/guarded.json" --compare tests/data/tpu_v5e_records.json
+
 On a CPU with libtpu installed (the TPU compiler, deviceless; no run phase)::
 
     JAX_PLATFORMS=cpu python benchmarks/tpu_record.py --deviceless tpu-v5e --out /tmp/deviceless.json
@@ -213,21 +218,26 @@ def _generation(kind: str) -> str:
     return next((name for name, (k, _, _) in DEVICES.items() if k == kind), kind)
 
 
-def worker(out: Path, names: list[str], deviceless: str | None, calls: int) -> int:
+def worker(out: Path, names: list[str], deviceless: str | None, calls: int, guarded: str | None = None) -> int:
     import warnings
 
     import jax
 
     import pallas_guard
 
-    pallas_guard.uninstall()  # the record is JAX's own behaviour, with no guard in the way
+    generation = deviceless or _generation(jax.devices()[0].device_kind)
+    if guarded:  # on a TPU the guard must change nothing: the same outcomes and bytes as without it
+        pallas_guard.install(guarded, checks="all", device=generation)
+    else:
+        pallas_guard.uninstall()  # the record is JAX's own behaviour, with no guard in the way
     import tpu_corpus
 
     data = load(out)
     if not data.get("meta"):
         data["meta"] = meta(deviceless)
+        if guarded:
+            data["meta"]["guard"] = f"policy {guarded}, checks all, device {generation}"
         save(out, data)
-    generation = deviceless or _generation(jax.devices()[0].device_kind)
     for name in names:
         case = tpu_corpus.by_name(name)
         update(out, name, {"status": "started", "halts": case.halts})
@@ -265,6 +275,8 @@ def _spawn(out: Path, names: list[str], args: argparse.Namespace, timeout: float
     command = [sys.executable, __file__, "--out", str(out), "--calls", str(args.calls), "--worker", ",".join(names)]
     if args.deviceless:
         command += ["--deviceless", args.deviceless]
+    if args.guarded:
+        command += ["--guarded", args.guarded]
     env = os.environ | {"PYTHONPATH": _pythonpath()}
     try:
         return subprocess.run(command, env=env, timeout=timeout, check=False).returncode
@@ -355,7 +367,23 @@ def compare(args: argparse.Namespace, data: dict[str, Any]) -> int:
         if (phase, sign) != (want_phase, want_sign):
             print(f"DIFFERS {name}: here {phase} {sign!r}; recorded {want_phase} {want_sign!r}")
     print(f"phase agrees: {agree_phase} of {total}; phase and message: {agree_message} of {total}")
-    return 0 if agree_message == total else 1
+    if data.get("meta", {}).get("mode") != "tpu":
+        return 0 if agree_message == total else 1
+    # Both ran on a TPU: every phase (the run's too) and every output's bytes.
+    same_phase = same_outputs = ran = 0
+    for name, record in data["cases"].items():
+        tpu = reference["cases"].get(name)
+        if tpu is None or tpu.get("status") != "done":
+            continue
+        same_phase += record.get("phase") == tpu.get("phase")
+        if tpu.get("outputs") is not None:
+            ran += 1
+            digests = [o["sha256"] for o in record.get("outputs") or ()]
+            same_outputs += digests == [o["sha256"] for o in tpu["outputs"]]
+            if digests != [o["sha256"] for o in tpu["outputs"]]:
+                print(f"OUTPUTS DIFFER {name}")
+    print(f"on the TPU: same phase (run included): {same_phase} of {total}; same output bytes: {same_outputs} of {ran}")
+    return 0 if agree_message == same_phase == total and same_outputs == ran else 1
 
 
 def main() -> int:
@@ -367,10 +395,13 @@ def main() -> int:
     parser.add_argument("--only", nargs="*", help="cases whose names start with these")
     parser.add_argument("--compare", metavar="RECORDS", help="a TPU's records to compare the verdicts with")
     parser.add_argument("--budget", type=float, help="seconds after which no further process is started")
+    parser.add_argument(
+        "--guarded", metavar="POLICY", help="on a TPU: record with pallas_guard installed (POLICY, every check)"
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker is not None:
-        return worker(Path(args.out), args.worker.split(","), args.deviceless, args.calls)
+        return worker(Path(args.out), args.worker.split(","), args.deviceless, args.calls, args.guarded)
     return drive(args)
 
 

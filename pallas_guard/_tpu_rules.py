@@ -40,11 +40,13 @@ def _word(width: int) -> Any:
     return {2: jnp.uint2, 4: jnp.uint4, 8: jnp.uint8, 16: jnp.uint16, 32: jnp.uint32}[width]
 
 
-def pack_elementwise(*xs: Any, packed_dtype: Any) -> Any:
-    """Source ``i`` narrowed to ``packed_dtype`` at bits ``[i * w, (i + 1) * w)`` of each word."""
+def pack_elementwise(*xs: Any, packed_dtype: Any, out_dtype: Any) -> Any:
+    """Source ``i`` narrowed to ``packed_dtype`` at bits ``[i * w, (i + 1) * w)`` of each word
+    (``out_dtype``: the primitive's own; jax before 0.10 packs into 32-bit words whatever the
+    sources' width)."""
     import jax.numpy as jnp
 
-    source_width, width = _bits(xs[0].dtype), _bits(packed_dtype)
+    width = _bits(packed_dtype)
     mask = jnp.uint32((1 << width) - 1)
     word = jnp.zeros(xs[0].shape, jnp.uint32)
     for position, x in enumerate(xs):
@@ -53,7 +55,7 @@ def pack_elementwise(*xs: Any, packed_dtype: Any) -> Any:
         else:  # narrowing an integer keeps its low bits; widening to 32 bits first keeps them too
             field = x.astype(jnp.int32).astype(jnp.uint32) & mask
         word = word | (field << jnp.uint32(position * width))
-    return word.astype(_word(source_width))
+    return word.astype(out_dtype)
 
 
 def _to_bfloat16_as_the_tpu(x: Any) -> Any:
@@ -70,7 +72,7 @@ def _to_bfloat16_as_the_tpu(x: Any) -> Any:
     return jnp.where(jnp.isnan(x), jnp.uint32(0x7FC0), field)
 
 
-def unpack_elementwise(x: Any, *, index: int, packed_dtype: Any, unpacked_dtype: Any) -> Any:
+def unpack_elementwise(x: Any, *, index: int, packed_dtype: Any, unpacked_dtype: Any, out_dtype: Any) -> Any:
     """Field ``index`` of each word of ``x`` as ``packed_dtype``, widened to ``unpacked_dtype``."""
     import jax.numpy as jnp
     from jax import lax
@@ -88,6 +90,16 @@ def unpack_elementwise(x: Any, *, index: int, packed_dtype: Any, unpacked_dtype:
     if jnp.issubdtype(packed_dtype, jnp.signedinteger):
         signed = jnp.where(signed >= (1 << (width - 1)), signed - (1 << width), signed)
     return signed.astype(unpacked_dtype)
+
+
+def _with_out_dtype(function: Any, lower_fun: Any) -> Any:
+    """``function`` as a CPU rule, told the dtype the primitive's abstract evaluation gives."""
+
+    def rule(ctx: Any, *args: Any, **params: Any) -> Any:
+        out_dtype = ctx.avals_out[0].dtype
+        return lower_fun(functools.partial(function, out_dtype=out_dtype), multiple_results=False)(ctx, *args, **params)
+
+    return rule
 
 
 # --- PRNG ------------------------------------------------------------------------------------------
@@ -219,7 +231,7 @@ def install(hooks: list[Any]) -> None:
     if module is None or registry is None or tools is None:
         return
     lower_fun = tools[2]
-    rules = {name: lower_fun(function, multiple_results=False) for name, function in RULES.items()}
+    rules = {name: _with_out_dtype(function, lower_fun) for name, function in RULES.items()}
     # The PRNG rules keep state across equations: emitted in place, not cached as a function per
     # equation signature (which would put a seed and its draw in different functions).
     in_place = {"cacheable": False} if "cacheable" in inspect.signature(registry.register_lowering).parameters else {}

@@ -443,9 +443,19 @@ def test_a_host_memory_output_stays_in_plain_under_races_and_the_note_says_why(g
             out_shape=pl.HOST(shape=(8, 128), dtype=jnp.float32),
         )(x)
 
+    guard("interpret", interpreter="plain")
+    try:
+        jax.block_until_ready(jax.jit(call, out_shardings=host)(x))
+    except jax.errors.JaxRuntimeError as error:
+        if "annotate_device_placement" not in str(error):
+            raise
+        pytest.skip("this jax's CPU has no host memory placement")
+    pallas_guard.uninstall()
+    jax.clear_caches()
     guard("interpret", interpreter="tpu")
-    with pytest.raises(Exception, match=r"MemorySpace.HOST|safe_zip\(\) argument 1 has length 2"):
+    with pytest.raises(Exception, match=r"MemorySpace.HOST|safe_zip\(\) argument"):
         jax.jit(call, out_shardings=host)(x)
+    _internals.reset_interpreter("tpu")  # its failure skipped its clean-up
     pallas_guard.uninstall()
     jax.clear_caches()
     guard("interpret", checks="races")
@@ -485,6 +495,7 @@ def test_an_output_revisited_at_any_step_stays_in_plain_under_races_and_agree(
     guard("interpret", interpreter="tpu")
     with pytest.raises(Exception, match="Revisited block"):
         jax.block_until_ready(jax.jit(reduction)(x))
+    _internals.reset_interpreter("tpu")  # its failure skipped its clean-up: the next kernel would see it
     pallas_guard.uninstall()
     jax.clear_caches()
     guard("interpret", checks=checks)

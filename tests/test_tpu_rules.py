@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import tpu_corpus
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
 import pallas_guard
 from pallas_guard import _interpreters
@@ -25,19 +26,23 @@ RECORDS = json.loads((Path(__file__).resolve().parent / "data" / "tpu_v5e_record
 PACKING = [case for case in tpu_corpus.cases() if case.name.startswith(("pack.", "unpack."))]
 INTERPRETERS = [name for name in ("plain", "tpu") if _interpreters.available(name)]
 
-pytestmark = pytest.mark.skipif(not PACKING, reason="this jax has no pltpu.pack_elementwise")
+needs_packing = pytest.mark.skipif(
+    not PACKING, reason=f"the packing kernels cannot be built here: {tpu_corpus._no_packing()}"
+)
 
 
 def _digest(out: Any) -> str:
     return hashlib.sha256(np.ascontiguousarray(np.asarray(out)).tobytes()).hexdigest()
 
 
+@needs_packing
 def test_every_packing_kind_is_in_the_corpus_and_recorded_on_the_tpu() -> None:
     names = {case.name for case in PACKING}
     assert {"pack.f32_bf16", "pack.f32_bf16_edges", "pack.i32_i4", "unpack.f32_bf16_1", "unpack.i8_i4_1"} <= names
     assert all(RECORDS[name]["status"] == "done" and RECORDS[name]["phase"] is None for name in names)
 
 
+@needs_packing
 @pytest.mark.parametrize("interpreter", INTERPRETERS)
 @pytest.mark.parametrize("traced", [False, True], ids=["eager", "jit"])
 @pytest.mark.parametrize("case", PACKING, ids=lambda case: case.name)
@@ -50,10 +55,10 @@ def test_the_tpus_bytes_in_every_interpreter(guard: Any, case: Any, traced: bool
     assert _digest(out) == recorded["sha256"]
 
 
+@pytest.mark.skipif(not hasattr(pltpu, "pack_elementwise"), reason="this jax has no pltpu.pack_elementwise")
 def test_the_rules_are_the_guards_and_leave_with_it(guard: Any) -> None:
     """A kernel interpreted by hand (``interpret=True``) fails without the guard, as JAX ships, and
     runs while the guard is installed; ``uninstall()`` takes the rules away again."""
-    from jax.experimental.pallas import tpu as pltpu
 
     def packs(xs_ref, o_ref):  # type: ignore[no-untyped-def]
         o_ref[...] = pltpu.pack_elementwise([xs_ref[0], xs_ref[1]], packed_dtype=jnp.int16)
@@ -104,8 +109,6 @@ def test_seeded_draws_are_random_repeatable_and_said_not_to_be_the_tpus(guard: A
 
 
 def test_each_draw_after_a_seed_gives_new_bits(guard: Any) -> None:
-    from jax.experimental.pallas import tpu as pltpu
-
     def twice(seed_ref, o_ref):  # type: ignore[no-untyped-def]
         pltpu.prng_seed(seed_ref[0])
         o_ref[0] = pltpu.prng_random_bits((8, 128))
@@ -122,8 +125,6 @@ def test_each_draw_after_a_seed_gives_new_bits(guard: Any) -> None:
 
 
 def test_a_draw_with_no_seed_before_it_is_refused_not_given_zeros(guard: Any) -> None:
-    from jax.experimental.pallas import tpu as pltpu
-
     def seeded_at_the_first_step(seed_ref, o_ref):  # type: ignore[no-untyped-def]
         @pl.when(pl.program_id(0) == 0)
         def _() -> None:
@@ -144,8 +145,6 @@ def test_a_draw_with_no_seed_before_it_is_refused_not_given_zeros(guard: Any) ->
 
 
 def test_a_stateful_sampler_is_refused_with_the_reason_not_given_zeros(guard: Any) -> None:
-    from jax.experimental.pallas import tpu as pltpu
-
     if not hasattr(pltpu, "stateful_uniform"):
         pytest.skip("this jax has no pltpu.stateful_uniform")
 

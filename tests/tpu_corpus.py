@@ -735,8 +735,13 @@ def _pack_edges() -> tuple[np.ndarray, ...]:
 
 
 def _no_packing() -> str | None:
-    has = hasattr(pltpu, "pack_elementwise") and hasattr(pltpu, "unpack_elementwise")
-    return None if has else "this jax has no pltpu.pack_elementwise"
+    if not (hasattr(pltpu, "pack_elementwise") and hasattr(pltpu, "unpack_elementwise")):
+        return "this jax has no pltpu.pack_elementwise"
+    source = jax.ShapeDtypeStruct((8, 128), jnp.int8)
+    packed = jax.eval_shape(lambda a, b: pltpu.pack_elementwise([a, b], packed_dtype=jnp.int4), source, source)
+    if packed.dtype != jnp.uint8:  # the TPU records were made with words as wide as the sources
+        return f"this jax packs int8 sources into {packed.dtype} words (from 0.10: uint8) and unpacks only uint32"
+    return None
 
 
 _PACKINGS = (
