@@ -38,8 +38,9 @@ def _digest(out: Any) -> str:
 @needs_packing
 def test_every_packing_kind_is_in_the_corpus_and_recorded_on_the_tpu() -> None:
     names = {case.name for case in PACKING}
-    assert {"pack.f32_bf16", "pack.f32_bf16_edges", "pack.i32_i4", "unpack.f32_bf16_1", "unpack.i8_i4_1"} <= names
-    assert all(RECORDS[name]["status"] == "done" and RECORDS[name]["phase"] is None for name in names)
+    assert {"pack.f32_bf16", "pack.f32_bf16_edges", "pack.i32_i4", "unpack.f32_bf16_1"} <= names
+    recorded = {"pack.i8_i4", "unpack.i8_i4_1", "unpack.i16_i8_0", *names}  # narrow words: built from jax 0.10
+    assert all(RECORDS[name]["status"] == "done" and RECORDS[name]["phase"] is None for name in recorded)
 
 
 @needs_packing
