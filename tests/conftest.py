@@ -3,6 +3,7 @@ leaves jax exactly as it found it (the originals of every patched attribute, the
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import os
 import shutil
@@ -27,6 +28,7 @@ collect_ignore = ["quickstart", "jax_suite"]  # jax_suite: JAX's own tests, run 
 # The compile check keeps the compiles that succeeded on disk (a CI re-run reads them): each run of
 # the suite starts with none, in a directory of its own, so every test compiles with libtpu itself.
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="pallas_guard-tests-")
+atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], ignore_errors=True)
 
 # `import pallas_guard` installed the guard with the environment's policy; tests opt in instead.
 pallas_guard.uninstall()
