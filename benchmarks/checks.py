@@ -15,6 +15,7 @@ table shows where the time goes.
 from __future__ import annotations
 
 import contextlib
+import os
 import statistics
 import sys
 import time
@@ -27,7 +28,7 @@ for path in (BENCH_DIR, BENCH_DIR.parent / "tests", BENCH_DIR.parent):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
-from _harness import Comparison, Row, Sample, Stopwatch  # noqa: E402
+from _harness import Comparison, Row, Sample, Stopwatch, table  # noqa: E402
 from first_call import FirstCall  # noqa: E402
 
 MEDIAN_TARGET = 2.0
@@ -261,9 +262,5 @@ def rows(*, quick: bool = False, pairs: int | None = None) -> list[Row]:
 
 
 if __name__ == "__main__":
-    import os
-
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    for row in rows(quick="--quick" in sys.argv):
-        ratio = f"{row.ratio:.3f}" if row.ratio is not None else "n/a"
-        print(f"{row.name:70} {ratio:>7} {row.status:5} {row.detail} {row.note}")
+    print(table(rows(quick="--quick" in sys.argv)))

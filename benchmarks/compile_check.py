@@ -29,7 +29,7 @@ for path in (BENCH_DIR, BENCH_DIR.parent / "tests", BENCH_DIR.parent):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
-from _harness import Comparison, Row, Sample, Stopwatch, interleave  # noqa: E402
+from _harness import Comparison, Row, Sample, Stopwatch, interleave, table  # noqa: E402
 
 DEVICE = "tpu-v5e"
 FIRST_TARGET = 1.5
@@ -209,40 +209,37 @@ def rows(*, quick: bool = False, pairs: int | None = None) -> list[Row]:
         ]
     )
     calls = [k.calls for k in kernels if k.calls]
+
+    def median_row(name: str, ratios: dict[str, float], target: float, note: str) -> Row:
+        median = statistics.median(ratios.values()) if ratios else None
+        return Row(name, median, target, pairs=len(ratios), detail=worst(ratios), note=note)
+
+    once = (
+        f"once per process, not timed: the TPU topology {started:.1f} s, "
+        f"the first kernel's first checked call {warm:.1f} s (wall)"
+    )
     return [
-        Row(
+        median_row(
             FIRST_ROW,
-            statistics.median(first.values()) if first else None,
+            first,
             FIRST_TARGET,
-            pairs=len(first),
-            detail=worst(first),
-            note=(
-                f"n = kernels; once per process, not timed: the TPU topology {started:.1f} s, the first "
-                f"kernel's first checked call {warm:.1f} s (wall); "
-                f"per kernel first (with/without)/steady: {', '.join(details)}{tail}"
-            ),
+            f"n = kernels; {once}; per kernel first (with/without)/steady: {', '.join(details)}{tail}",
         ),
-        Row(
+        median_row(
             KEPT_ROW,
-            statistics.median(first_kept.values()) if first_kept else None,
+            first_kept,
             FIRST_TARGET,
-            pairs=len(first_kept),
-            detail=worst(first_kept),
-            note="n = kernels; as the first call, with the kernel compiled once before, untimed, its verdict kept",
+            "n = kernels; as the first call, with the kernel compiled once before, untimed, its verdict kept",
         ),
-        Row(
+        median_row(
             STEADY_ROW,
-            statistics.median(steady.values()) if steady else None,
+            steady,
             STEADY_TARGET,
-            pairs=len(steady),
-            detail=worst(steady),
-            note=f"n = kernels; {min(calls, default=0)}-{max(calls, default=0)} calls a sample ({STEADY_SECONDS} s)",
+            f"n = kernels; {min(calls, default=0)}-{max(calls, default=0)} calls a sample ({STEADY_SECONDS} s)",
         ),
     ]
 
 
 if __name__ == "__main__":
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    for row in rows(quick="--quick" in sys.argv):
-        ratio = f"{row.ratio:.3f}" if row.ratio is not None else "n/a"
-        print(f"{row.name:70} {ratio:>7} {row.status:5} {row.detail} {row.note}")
+    print(table(rows(quick="--quick" in sys.argv)))

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import os
 import sys
 import warnings
 from collections import Counter
@@ -29,7 +30,7 @@ for path in (BENCH_DIR, BENCH_DIR.parent / "tests", BENCH_DIR.parent):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
-from _harness import Row  # noqa: E402
+from _harness import Row, table  # noqa: E402
 
 RECORDS = BENCH_DIR.parent / "tests" / "data" / "tpu_v5e_records.json"
 ROW = "4h. CPU values vs the TPU's"
@@ -214,8 +215,5 @@ def rows(*, quick: bool = False, pairs: int | None = None) -> list[Row]:
 
 
 if __name__ == "__main__":
-    import os
-
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    for row in rows(quick="--quick" in sys.argv):
-        print(f"{row.name:70} {row.status:5} {row.detail} {row.note}")
+    print(table(rows(quick="--quick" in sys.argv)))

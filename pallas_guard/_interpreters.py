@@ -271,10 +271,26 @@ def _revisits_outputs(kwargs: Mapping[str, Any]) -> str | None:
 
 
 def _host_memory(kwargs: Mapping[str, Any]) -> str | None:
-    for space in _block_spec_spaces(kwargs):
-        word = str(getattr(space, "name", space)).upper()
-        if space is not None and "HOST" in word:
-            return f"an operand in memory space {word}"
+    word = _space_named(_block_spec_spaces(kwargs), ("HOST",))
+    return f"an operand in memory space {word}" if word else None
+
+
+def _space_named(spaces: list[object], words: tuple[str, ...]) -> str | None:
+    """The first memory space whose name contains one of ``words`` (upper case), as named."""
+    for space in spaces:
+        name = str(getattr(space, "name", space)).upper()
+        if space is not None and any(word in name for word in words):
+            return name
+    return None
+
+
+def _names_used(body: object, names: frozenset[str], verb: str) -> str | None:
+    """``"<function> <verb> <names>"`` for the first function of the body (helpers included) whose
+    code names one of ``names``, or None."""
+    for code in code_objects(body, helpers=True):
+        used = names.intersection(code.co_names)
+        if used:
+            return f"{code.co_name} {verb} {', '.join(sorted(used))}"
     return None
 
 
@@ -282,11 +298,7 @@ _RANDOM_BITS_NAMES = frozenset({"prng_random_bits", "stateful_uniform", "statefu
 
 
 def _draws_random_bits(body: object) -> str | None:
-    for code in code_objects(body, helpers=True):
-        names = _RANDOM_BITS_NAMES.intersection(code.co_names)
-        if names:
-            return f"{code.co_name} draws with {', '.join(sorted(names))}"
-    return None
+    return _names_used(body, _RANDOM_BITS_NAMES, "draws with")
 
 
 def _whole_windows_over_grid(entry_point: str, kwargs: Mapping[str, Any]) -> str | None:
@@ -340,14 +352,12 @@ def _plain_risk(body: object, kwargs: Mapping[str, Any], scratch: object) -> str
         if _is_semaphore(leaf):
             return "it allocates a semaphore"
         spaces.append(getattr(leaf, "memory_space", None))
-    for space in spaces:
-        word = str(getattr(space, "name", space)).upper()
-        if space is not None and any(risky in word for risky in _PLAIN_RISKY_SPACES):
-            return f"it uses memory space {word}"
-    for code in code_objects(body, helpers=True):
-        names = _PLAIN_RISKY_NAMES.intersection(code.co_names)
-        if names:
-            return f"{code.co_name} uses {', '.join(sorted(names))}"
+    word = _space_named(spaces, _PLAIN_RISKY_SPACES)
+    if word:
+        return f"it uses memory space {word}"
+    uses = _names_used(body, _PLAIN_RISKY_NAMES, "uses")
+    if uses:
+        return uses
     nested = _program_id_nested(body)
     return f"program_id inside control flow ({nested})" if nested else None
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import functools
 import hashlib
 import importlib
 import importlib.metadata
@@ -333,15 +334,17 @@ def _verdict_file(lowered: Any, generation: str) -> str | None:
     library = os.environ.get("TPU_LIBRARY_PATH") or ""
     if library and os.path.isfile(library):
         library += f"@{os.path.getmtime(library)}"
-    compiler = (
-        repr(GENERATIONS.get(generation)),
-        _internals.jax_version() or "",
-        _distribution_version("jaxlib") or "",
-        _distribution_version("libtpu") or "",
-        library,
-    )
+    # The compiler's flags change its verdict too (LIBTPU_INIT_ARGS can set the scoped VMEM limit).
+    flags = tuple(os.environ.get(name, "") for name in ("LIBTPU_INIT_ARGS", "XLA_FLAGS"))
+    compiler = (repr(GENERATIONS.get(generation)), *_versions(), library, *flags)
     digest = hashlib.sha256("\0".join((*compiler, generation, text)).encode()).hexdigest()
     return os.path.join(verdicts_dir(), f"{digest}.json")
+
+
+@functools.cache
+def _versions() -> tuple[str, ...]:
+    """jax, jaxlib and libtpu: read once (their metadata does not change in a process)."""
+    return (_internals.jax_version() or "", *(_distribution_version(n) or "" for n in ("jaxlib", "libtpu")))
 
 
 def _read_verdict(path: str | None) -> Memory | None:

@@ -215,6 +215,10 @@ def test_a_compile_that_succeeded_is_kept_on_disk_and_a_refusal_is_not(
         guard("interpret", checks="compile")
     assert len(list(kept.glob("*.json"))) == 1
 
+    monkeypatch.setenv("LIBTPU_INIT_ARGS", "--xla_tpu_scoped_vmem_limit_kib=16384")  # other compiler flags
+    assert first_call_note() == compiled
+    assert len(list(kept.glob("*.json"))) == 2
+
 
 @needs_libtpu
 def test_a_vmem_overflow_says_which_operands_window_overflows(guard: Any) -> None:
