@@ -164,6 +164,11 @@ def _checking_block_copy(copy: Callable[..., Any]) -> Callable[..., Any]:
 # --- the checked lowering -------------------------------------------------------------------------
 
 
+PLAIN_CHECKS = frozenset({"bounds", "races"})
+"""The checks made inside the plain interpretation, lowered by :func:`lower`: bounds through the
+discharge rules, races through the kernel traced again with its DMA table (``_dma_races``)."""
+
+
 def lower(
     ctx: Any,
     in_nodes: Sequence[Any],
@@ -172,30 +177,47 @@ def lower(
     kernel: KernelInfo,
     call_site: CallSite,
     hooks: list[Any],
+    checks: frozenset[str] = frozenset({"bounds"}),
 ) -> Any:
-    """Lower one ``pallas_call`` equation in the plain interpreter with bounds checks; None where
-    this jax lacks a piece (the caller lowers it unchecked)."""
+    """Lower one ``pallas_call`` equation in the plain interpreter with the ``checks`` of
+    ``PLAIN_CHECKS`` asked for; None where this jax lacks a piece (the caller lowers it unchecked).
+    A kernel whose DMAs the race check cannot follow runs without it, its decision saying why."""
     import jax.numpy as jnp
     from jax import lax
     from jax.experimental import checkify, io_callback
+
+    from . import _dma_races
 
     tools = _internals.lowering_tools()
     if tools is None or unchecked_reason("pallas_call", params) is not None:
         return None
     # The checks go in through discharge rules, whose results JAX caches per jaxpr object: a
     # private copy neither reads an unchecked discharge cached before nor leaves a checked one.
-    interpret = _internals.plain_interpreter(_internals.private_params(params))
+    private = _internals.private_params(params)
+    races = None
+    if "races" in checks and _dma_races.has_dmas(private["jaxpr"]):
+        races = _dma_races.Instrumented()
+        try:
+            private = _dma_races.instrument(private, races)
+        except _dma_races.Unsupported as why:
+            races = None
+            _diagnostics.unchecked(kernel, call_site, "races", why=str(why))
+    if "bounds" not in checks and races is None:
+        return None
+    interpret = _internals.plain_interpreter(private)
     if interpret is None:
         return None
     lower_fun = tools[2]
-    hook(hooks)
-    if any(eqn.primitive.name == "run_state" for eqn in _internals.jaxpr_equations(params["jaxpr"])):
-        # Its body is discharged apart from the kernel's accesses: a gap said, not hidden.
-        _record.annotate(
-            kernel, call_site, "runs partly unchecked: bounds does not check accesses in pl.run_state bodies"
-        )
+    state = None
+    if "bounds" in checks:
+        hook(hooks)
+        if any(eqn.primitive.name == "run_state" for eqn in _internals.jaxpr_equations(params["jaxpr"])):
+            # Its body is discharged apart from the kernel's accesses: a gap said, not hidden.
+            _record.annotate(
+                kernel, call_site, "runs partly unchecked: bounds does not check accesses in pl.run_state bodies"
+            )
+        state = _Checking(_blocks(params.get("grid_mapping")), params.get("grid_mapping"))
     source = _settings.stated("checks")
-    state = _Checking(_blocks(params.get("grid_mapping")), params.get("grid_mapping"))
 
     def checked(*args: Any) -> Any:
         token = _checking.set(state)
@@ -208,8 +230,11 @@ def lower(
             raise
         finally:
             _checking.reset(token)
-            state.step.clear()  # tracers of this trace, which ends here
-        raise_finding = functools.partial(_raise_finding, kernel=kernel, call_site=call_site, source=source)
+            if state is not None:
+                state.step.clear()  # tracers of this trace, which ends here
+        raise_finding = functools.partial(
+            _raise_finding, kernel=kernel, call_site=call_site, source=source, races=races
+        )
         # Only a failed check calls back to the host (a call per kernel call would cost more than a
         # small kernel). Unordered: no effect token, which a lowering rule has no place for.
         failed = functools.reduce(jnp.logical_or, list(getattr(error, "_pred", {}).values()), jnp.bool_(False))
@@ -230,12 +255,20 @@ def unchecked_reason(entry_point: str, params: dict[str, Any]) -> str | None:
     return None
 
 
-def _raise_finding(error: Any, *, kernel: KernelInfo, call_site: CallSite, source: str) -> None:
+def _raise_finding(error: Any, *, kernel: KernelInfo, call_site: CallSite, source: str, races: Any) -> None:
+    from . import _dma_races
+
     finding = error.get()
-    if finding:
-        finding = str(finding).splitlines()[0].removesuffix(" (`check` failed)")
-        error = _diagnostics.bounds_finding(finding, kernel=kernel, call_site=call_site, source=source)
-        _findings.record(_checks.found("bounds", error, kernel=kernel, call_site=call_site, interpreter="plain"))
+    if not finding:
+        return
+    finding = str(finding).splitlines()[0].removesuffix(" (`check` failed)")
+    if races is not None and _dma_races.is_race(finding):
+        what, text = _dma_races.describe(finding, races)
+        found = _diagnostics.race_finding(text, what=what, kernel=kernel, call_site=call_site, source=source)
+        _findings.record(_checks.found("races", found, kernel=kernel, call_site=call_site, interpreter="plain"))
+        return
+    error = _diagnostics.bounds_finding(finding, kernel=kernel, call_site=call_site, source=source)
+    _findings.record(_checks.found("bounds", error, kernel=kernel, call_site=call_site, interpreter="plain"))
 
 
 def _blocks(grid_mapping: Any) -> tuple[tuple[tuple[int, ...], tuple[int, ...], str, str | None], ...]:
@@ -279,7 +312,7 @@ def _check_access(
     # branch or scope body, JAX's plain interpreter cannot evaluate a program id (it lowers none).
     top_level = checking.discharging[0] == 1
     step = functools.partial(_internals.program_ids, checking.grid_mapping) if top_level else _no_step
-    for role, ref, transforms in _indexed(operands):
+    for role, ref, transforms in indexed(operands):
         if access.kind == "copy":  # a DMA: source, destination, then semaphores
             kind = ("DMA read", "DMA write")[role] if role < 2 else "semaphore access"
         else:
@@ -287,7 +320,7 @@ def _check_access(
         _check_indexed(kind, ref, transforms, mask if role == 0 else None, site, step=step)
 
 
-def _indexed(operands: Sequence[Any]) -> Iterator[tuple[int, Any, tuple[Any, ...]]]:
+def indexed(operands: Sequence[Any]) -> Iterator[tuple[int, Any, tuple[Any, ...]]]:
     """(role, ref, its transforms) for each indexed ref among an access's operands: a ``(ref,
     transforms)`` pair of neighbours (older jax), or a transformed-ref object. ``role`` counts the
     ref operands, indexed or whole (a DMA's source is 0, its destination 1)."""
@@ -325,13 +358,13 @@ def _check_indexed(kind: str, ref: Any, transforms: tuple[Any, ...], mask: Any, 
     if not indexers:
         return
     dtype = str(getattr(ref, "dtype", "")) or "?"
-    composed = _compose(indexers) if len(indexers) == len(transforms) else None
+    composed = compose(indexers) if len(indexers) == len(transforms) else None
     if composed is not None:
         _check_ranges(kind, composed, tuple(indexers[0].shape), dtype=dtype, mask=mask, site=site, step=step)
         return
     for position, indexer in enumerate(indexers):
         last = position == len(indexers) - 1
-        single = _compose([indexer])
+        single = compose([indexer])
         if single is not None:
             masked = mask if last else None
             _check_ranges(kind, single, tuple(indexer.shape), dtype=dtype, mask=masked, site=site, step=step)
@@ -353,7 +386,7 @@ def _no_step() -> None:
 _Range = tuple[Any, int, int | None]
 
 
-def _compose(indexers: Sequence[Any]) -> list[_Range] | None:
+def compose(indexers: Sequence[Any]) -> list[_Range] | None:
     """The element ranges of the buffer a chain of slice/integer indexers accesses, per buffer
     dimension; None where an indexer has index arrays or a dynamic size."""
     slice_class = _internals.slice_class()
@@ -368,9 +401,9 @@ def _compose(indexers: Sequence[Any]) -> list[_Range] | None:
                 size, step = index.size, getattr(index, "stride", 1)
                 if not isinstance(size, int) or not isinstance(step, int):
                     return None
-                ranges[dim] = (_plus(offset, _times(_as_index(index.start), stride)), stride * step, size)
+                ranges[dim] = (plus(offset, times(as_index(index.start), stride)), stride * step, size)
             elif getattr(index, "shape", ()) == ():
-                ranges[dim] = (_plus(offset, _times(_as_index(index), stride)), stride, None)
+                ranges[dim] = (plus(offset, times(as_index(index), stride)), stride, None)
             else:
                 return None
     return ranges
@@ -384,7 +417,7 @@ _Index = Any  # int, or an int32 scalar being traced
 _Condition = Any  # bool, or a bool scalar being traced
 
 
-def _as_index(value: Any) -> _Index:
+def as_index(value: Any) -> _Index:
     import numpy as np
     from jax import lax
 
@@ -399,13 +432,13 @@ def _traced(value: _Index) -> Any:
     return np.int32(value) if isinstance(value, int) else value
 
 
-def _plus(a: _Index, b: _Index) -> _Index:
+def plus(a: _Index, b: _Index) -> _Index:
     from jax import lax
 
     return a + b if isinstance(a, int) and isinstance(b, int) else lax.add(_traced(a), _traced(b))
 
 
-def _times(a: _Index, b: int) -> _Index:
+def times(a: _Index, b: int) -> _Index:
     from jax import lax
 
     return a * b if isinstance(a, int) else (a if b == 1 else lax.mul(a, _traced(b)))
@@ -437,8 +470,8 @@ def _check_ranges(
 ) -> None:
     from jax import lax
 
-    first = [_as_index(offset) for offset, _, _ in ranges]
-    last = [_plus(first[d], stride * (size - 1)) if size else first[d] for d, (_, stride, size) in enumerate(ranges)]
+    first = [as_index(offset) for offset, _, _ in ranges]
+    last = [plus(first[d], stride * (size - 1)) if size else first[d] for d, (_, stride, size) in enumerate(ranges)]
     inside = [_inside(f, la, n) for f, la, (_, _, size), n in zip(first, last, ranges, shape, strict=True) if size != 0]
     ok: _Condition = functools.reduce(_both, inside, True)
     if ok is True:
@@ -452,7 +485,7 @@ def _check_ranges(
             values.append(first[d])
         else:
             shown.append("{}:{}" + (f":{stride}" if stride != 1 else ""))
-            values += [first[d], _plus(first[d], stride * size)]
+            values += [first[d], plus(first[d], stride * size)]
     masked = " (unmasked elements)" if mask is not None else ""
     message = f"{kind} [{', '.join(shown)}]{masked} of a {_escape(dtype)}{list(shape)} buffer {_escape(site)}".replace(
         "[]", "[()]"
@@ -508,10 +541,10 @@ def _check_block(checking: _Checking, start: Any, block: tuple[int, ...], value:
     """A block copied in at a grid step lies inside its (padded) array: the check that the index
     map's block index is in range (a ragged last block is padded, never a finding). The copy back
     out uses the same start: checked here once."""
-    starts = [_as_index(s) for s in start]
+    starts = [as_index(s) for s in start]
     shape = tuple(value.shape)
     ok = functools.reduce(
-        _both, [_inside(s, _plus(s, b - 1), n) for s, b, n in zip(starts, block, shape, strict=True)], True
+        _both, [_inside(s, plus(s, b - 1), n) for s, b, n in zip(starts, block, shape, strict=True)], True
     )
     # The interpreter copies every block operand in order at each step: the count names this one.
     position = next(checking.copies)
@@ -560,10 +593,17 @@ def _check(ok: _Condition, message: str, values: list[Any], step: _Step) -> None
     pred = lax.convert_element_type(ok, np.bool_)  # a bool scalar, also where it is known (False)
     # Built from scalars and broadcasts alone: an array constant would become a const of the
     # discharged body, which JAX's discharge of a loop refuses.
-    parts = [lax.broadcast_in_dim(np.int32(v) if isinstance(v, int) else _as_index(v), (1,), ()) for v in values]
+    parts = [lax.broadcast_in_dim(np.int32(v) if isinstance(v, int) else as_index(v), (1,), ()) for v in values]
     if len(values) < _PAYLOAD:
         parts.append(lax.full((_PAYLOAD - len(values),), 0, np.int32))
     checkify.check(pred, _fields_of_one_vector(message), lax.concatenate(parts, 0))
+
+
+def check_vector(ok: Any, message: str, vector: Any) -> None:
+    """One check whose values are one int32 vector already (``message``'s fields its elements)."""
+    from jax.experimental import checkify
+
+    checkify.check(ok, _fields_of_one_vector(message), vector)
 
 
 def _fields_of_one_vector(message: str) -> str:

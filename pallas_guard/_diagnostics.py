@@ -422,6 +422,22 @@ def bounds_finding(
     )
 
 
+RACE_FINDING = "pallas_guard: a race ("
+"""How every race finding of the plain interpretation begins."""
+
+
+def race_finding(text: str, *, what: str, kernel: KernelInfo, call_site: CallSite, source: str) -> PallasGuardError:
+    """The race check in the plain interpretation found a race (``text``: which DMA and which access,
+    where, the region both touch); ``what`` kind of race it is."""
+    return PallasGuardError(
+        f"{RACE_FINDING}{what}) in {_describe(kernel, call_site)}, found by the races check ({source}; on a "
+        f"CPU the plain interpreter copies a DMA's data when it starts, which hides it; on a TPU the kernel "
+        f"reads or writes data the DMA has not finished moving): {text}\n"
+        "To fix: wait on the DMA (`.wait()` on its descriptor) before touching the region it moves, and "
+        "start it only after the last use of the region it overwrites."
+    )
+
+
 def disagreement(found: Any, *, kernel: KernelInfo, call_site: CallSite, compared: Iterable[str]) -> PallasGuardError:
     """Two interpreters ran the same kernel on the same inputs and returned different values where
     the kernel wrote (``found``: an ``_agree.Disagreement``)."""
@@ -502,17 +518,17 @@ def refusal_fix(error: BaseException) -> str | None:
     return None
 
 
-def unchecked_bounds(kernel: KernelInfo, call_site: CallSite, *, why: str) -> None:
-    """The bounds check could not be applied to a kernel that runs without it: a note on its
-    decision (never a warning: a check asked for must not fail a ``filterwarnings = error`` suite)."""
-    _record.annotate(kernel, call_site, f"runs unchecked: bounds could not be checked: {why}")
+def unchecked(kernel: KernelInfo, call_site: CallSite, check: str, *, why: str) -> None:
+    """A check could not be applied to a kernel that runs without it: a note on its decision (never
+    a warning: a check asked for must not fail a ``filterwarnings = error`` suite)."""
+    _record.annotate(kernel, call_site, f"runs unchecked: {check} could not be checked: {why}")
 
 
 def finding_in(error: BaseException) -> PallasGuardError | None:
-    """The plain interpreter's bounds finding ``error`` carries, as the guard's own error: raised
-    from a host callback, it reaches the caller inside JAX's runtime error (its line kept)."""
+    """The plain interpreter's bounds or race finding ``error`` carries, as the guard's own error:
+    raised from a host callback, it reaches the caller inside JAX's runtime error (its line kept)."""
     for line in str(error).splitlines():
-        start = line.find(FINDING)
+        start = min((i for i in (line.find(FINDING), line.find(RACE_FINDING)) if i >= 0), default=-1)
         if start >= 0:
             return PallasGuardError(line[start:].strip())
     return None

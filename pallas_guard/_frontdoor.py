@@ -88,7 +88,7 @@ def _by_hand(kernel: Kernel, built: Any, installation: Guarding) -> Any:
     def pallas_guard_by_hand(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
         __tracebackhide__ = True
         del instance
-        checks = frozenset(_settings.current("checks").value) & {"bounds"}
+        checks = frozenset(_settings.current("checks").value) & _bounds.PLAIN_CHECKS
         fast_plain = _plain.enabled()
         if not (checks or fast_plain) or _internals.tracing() or _settings.current_policy().value is Policy.OFF:
             return wrapped(*args, **kwargs)

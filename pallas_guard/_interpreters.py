@@ -17,7 +17,7 @@ import types
 from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple
 
-from pallas_guard_autoload import CHECKS_ENV, MAX_STEPS_ENV
+from pallas_guard_autoload import CHECKS_ENV
 
 from . import _internals
 from ._enums import Interpreter
@@ -501,11 +501,10 @@ def candidates(
     """The interpreters for one kernel, best first: the user's forced one, else by the kernel's facts.
 
     The order and what is verified come from measurements on JAX's own kernels and on third-party
-    libraries (README, "How the interpreter is chosen"). ``checks`` (races, bounds) move a kernel to
-    the interpreter that can check it: TPU interpret mode for TPU-style kernels, the Mosaic-GPU
-    interpreter for Mosaic-GPU ones; a kernel neither can run keeps its interpreter, unchecked
-    (``Candidates.checks_note`` says why, or says what a check that moved the kernel off the plain
-    interpreter costs).
+    libraries (README, "How the interpreter is chosen"). ``checks`` (races, bounds) keep a kernel
+    where it runs unchecked: the plain interpreter makes both itself; TPU interpret mode (chosen, or
+    forced) and the Mosaic-GPU interpreter run with their race detectors on. A kernel whose
+    interpreter cannot check races runs unchecked (``Candidates.checks_note`` says why).
     """
     # An interpreter's checks; the others are the engine's (comparing interpreters, lowering and
     # compiling for the kernel's target).
@@ -521,42 +520,42 @@ def candidates(
     forced = setting.value
     chosen = _by_facts(setting, facts)
     checking = None
-    # Races are found only by TPU interpret mode and the Mosaic-GPU interpreter: the check moves a
-    # kernel there. Bounds are checked wherever the kernel runs: the plain interpreter by the
-    # guard's index checks (at its own speed), the other two by their own out-of-bounds check.
+    # Races are found inside the plain interpretation (DMAs in flight followed as values, at its own
+    # speed) for kernels on one core; by TPU interpret mode's detector where the kernel runs there
+    # anyway (several cores or devices, or what plain gets wrong) or where the user forced it; by the
+    # Mosaic-GPU interpreter's for Mosaic-GPU kernels. Bounds are checked wherever the kernel runs:
+    # the plain interpreter by the guard's index checks, the other two by their own check.
     tpu_wrong = gets_wrong("tpu", facts) if forced is Interpreter.AUTO else None
-    if "races" in checks and forced in (Interpreter.AUTO, Interpreter.TPU) and facts.family in (None, "mosaic_tpu"):
+    on_tpu = forced is Interpreter.TPU or (forced is Interpreter.AUTO and chosen.names[0] == "tpu")
+    if "races" in checks and on_tpu and facts.family in (None, "mosaic_tpu"):
         checking = "tpu" if tpu_wrong is None else None
     elif "races" in checks and forced in (Interpreter.AUTO, Interpreter.GPU) and facts.family == "mosaic_gpu":
         checking = "gpu"
     if checking is not None:
         listed = ", ".join(sorted(checks))
-        slower = None
-        if chosen.names[0] == "plain":
-            # The only cost a check adds that the user may not expect: tens to hundreds of times the
-            # plain interpreter's time on JAX's TPU kernels (benchmarks/run.py, row 4b).
-            slower = (
-                f"runs in {describe_interpreter(checking)} for the races check (from {checks_from}), much "
-                "slower than the plain interpreter it runs in unchecked (tens to hundreds of times on "
-                f"JAX's TPU kernels); for affordable CI use small shapes, or bound it with {MAX_STEPS_ENV}"
-            )
+        why = f"{describe_interpreter(checking)}, which checks {listed} (from {checks_from})"
+        if forced is Interpreter.AUTO and checking == "tpu":
+            why = f"{chosen.reason}; {why}"
         return Candidates(
             (checking,),
-            f"{describe_interpreter(checking)}, which checks {listed} (from {checks_from})",
+            why,
             detect_races=True,
             eager_dmas=checking == "tpu" and facts.cross_device is not None,
             checked=checks,
-            checks_note=slower,
         )
-    chosen = chosen._replace(checked=bounds)
-    if "races" in checks:
+    if chosen.names[0] != "plain" or forced not in (Interpreter.AUTO, Interpreter.PLAIN):
+        chosen = chosen._replace(checked=bounds)
+    else:
+        # The plain interpreter makes both checks itself; where it may hand over to TPU interpret
+        # mode (a verified first choice), that one detects races too.
+        chosen = chosen._replace(checked=checks, detect_races="races" in checks and "tpu" in chosen.names)
+    if "races" in checks and "races" not in chosen.checked:
         if forced is not Interpreter.AUTO:
             why = f"interpreter {forced.value!r} is forced by {setting.source}"
         elif tpu_wrong is not None:
             why = f"not in TPU interpret mode, which detects races: {tpu_wrong}"
         else:
-            family = _FAMILY_NAMES.get(facts.family or "", "these")
-            why = f"{family} kernels run in the plain interpreter, which cannot detect races"
+            why = f"{describe_interpreter(chosen.names[0])} cannot detect races"
         chosen = chosen._replace(checks_note=_unchecked(checks - bounds, why))
     if facts.draws_random_bits and chosen.names[0] == "plain":
         chosen = chosen._replace(note=f"{facts.draws_random_bits}: {PLAIN_RANDOM_BITS}")

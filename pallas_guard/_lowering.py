@@ -62,9 +62,10 @@ def make_cpu_rule(entry_point: str, delegate: LoweringRule, installation: Guardi
             kernel, call_site = who(ctx, params)
             untouched = plan.action is _plan.Action.UNTOUCHED
             tried, notes = ledger.left_to_net(kernel) if plan.action is _plan.Action.INTERPRET else ((), ())
-            unchecked = _bounds.unchecked_reason(entry_point, params) if bounds_wanted(params) else None
+            wanted = plain_checks(params)
+            unchecked = _bounds.unchecked_reason(entry_point, params) if wanted else None
             if unchecked is not None and not untouched:
-                notes = (*notes, f"runs unchecked: bounds could not be checked: {unchecked}")
+                notes = (*notes, f"runs unchecked: {', '.join(sorted(wanted))} could not be checked: {unchecked}")
             _act.carry_out(
                 plan,
                 layer="lowering",
@@ -92,29 +93,34 @@ def make_cpu_rule(entry_point: str, delegate: LoweringRule, installation: Guardi
         return delegate(ctx, *in_nodes, **params)
 
     def lower_plain(ctx: Any, in_nodes: tuple[Any, ...], params: dict[str, Any], *, who: Callable[[], Any]) -> Any:
-        """The plain interpreter, linear in the data, with the bounds check where it is in force."""
+        """The plain interpreter, linear in the data, with the checks made inside it where they are in
+        force (bounds, races)."""
         plain = {**params, "interpret": True}
-        if not bounds_wanted(params) or _bounds.unchecked_reason(entry_point, params) is not None:
+        checks = plain_checks(params)
+        if not checks or _bounds.unchecked_reason(entry_point, params) is not None:
             return interpret_plain(ctx, *in_nodes, **plain)  # the record of an unchecked kernel says why
         kernel, call_site = who()
         try:
             with _plain.linear(plain):
                 lowered = _bounds.lower(
-                    ctx, in_nodes, plain, kernel=kernel, call_site=call_site, hooks=installation.hooks
+                    ctx, in_nodes, plain, kernel=kernel, call_site=call_site, hooks=installation.hooks, checks=checks
                 )
         except Exception as error:
             # The kernel's own failure fails again below, unchecked, as JAX raises it. Anything else
-            # is the check's: the kernel runs unchecked, and a warning says so.
+            # is the check's: the kernel runs unchecked, and its decision says so.
             lowered = interpret_plain(ctx, *in_nodes, **plain)
-            _diagnostics.unchecked_bounds(kernel, call_site, why=_diagnostics.first_line(error))
+            _diagnostics.unchecked(kernel, call_site, ", ".join(sorted(checks)), why=_diagnostics.first_line(error))
         return lowered if lowered is not None else interpret_plain(ctx, *in_nodes, **plain)
-
-    def bounds_wanted(params: dict[str, Any]) -> bool:
-        """In force here, or marked by the front door where the kernel was called."""
-        return "bounds" in _settings.current("checks").value or "bounds" in _bounds.marked_checks(params)
 
     pallas_guard_cpu_rule.__qualname__ = f"pallas_guard_cpu_rule[{entry_point}]"
     return pallas_guard_cpu_rule
+
+
+def plain_checks(params: dict[str, Any]) -> frozenset[str]:
+    """The checks made inside the plain interpretation in force here, or marked by the front door
+    where the kernel was called."""
+    asked = frozenset(_settings.current("checks").value) | _bounds.marked_checks(params)
+    return asked & _bounds.PLAIN_CHECKS
 
 
 class InstalledRule:

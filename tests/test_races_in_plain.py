@@ -1,0 +1,170 @@
+"""The race check inside the plain interpretation, held against TPU interpret mode's detector.
+
+Every kernel of ``tests/race_corpus.py`` runs under the guard twice: with ``checks=races`` as a user
+gets it (the plain interpreter, following the DMAs in flight) and with the interpreter forced to TPU
+interpret mode, whose happens-before detector is on. Every race the detector reports is found, no
+kernel it passes as valid gets a finding, and where the two differ the corpus says why (the
+detector cannot see a DMA that is never waited, orders every DMA of one core after the other, and
+never returns from a wait nothing will signal); the test holds those cases to the check's finding.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import pytest
+
+import pallas_guard
+from pallas_guard import _dma_races, _internals
+from pallas_guard._errors import PallasGuardError
+
+sys.path.insert(0, str(Path(__file__).parent))
+import race_corpus
+
+RACE_KINDS = {  # the corpus's kind -> the check's words for it
+    "read_before_wait": "read of a DMA's destination before its wait",
+    "write_dst_in_flight": "write to a DMA's destination while the DMA is in flight",
+    "write_src_in_flight": "write to a DMA's source while the DMA is in flight",
+    "wait_without_start": "a wait that no started DMA can complete",
+    "left_in_flight": "a DMA still in flight at the end of the kernel",
+    "overlapping_dmas": "two DMAs in flight into overlapping regions",
+}
+BLIND = {  # why TPU interpret mode's detector does not report a kind the check finds
+    "left_in_flight": "a DMA runs only when a wait needs it: one never waited never runs",
+    "overlapping_dmas": "one core's DMAs share one clock slot: the second waited counts as after the first",
+    "wait_without_start": "the wait blocks forever",
+}
+
+
+def _runs_here(case: race_corpus.RaceCase) -> bool:
+    return _internals.jax_release() >= case.min_jax and not case.detector.startswith("error")
+
+
+CASES = [pytest.param(case, id=case.name) for case in race_corpus.CASES]
+
+
+@pytest.fixture
+def guarded() -> Iterator[Callable[..., None]]:
+    def install(**settings: Any) -> None:
+        pallas_guard.uninstall()
+        jax.clear_caches()
+        pallas_guard.install("interpret", device="tpu-v5e", **settings)
+
+    yield install
+    pallas_guard.uninstall()
+    _internals.reset_interpreter("tpu")
+
+
+def _run(case: race_corpus.RaceCase, *, jit: bool = False) -> tuple[Any, str | None]:
+    """(the outputs, None), or (None, the finding's first line)."""
+    fn, args = case.build(None)
+    try:
+        return jax.block_until_ready((jax.jit(fn) if jit else fn)(*args)), None
+    except PallasGuardError as error:
+        return None, str(error).splitlines()[0]
+
+
+def _tpu_detector_has_races() -> bool:
+    params = _internals.tpu_params_class()
+    return params is not None and "detect_races" in getattr(params, "__dataclass_fields__", {})
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_race_check_in_plain_finds_what_tpu_interpret_modes_detector_finds(
+    case: race_corpus.RaceCase, guarded: Callable[..., None]
+) -> None:
+    if not _runs_here(case):
+        pytest.skip(f"{case.name}: needs jax {case.min_jax} and a CPU run ({case.detector})")
+    guarded(checks="races")
+    _, finding = _run(case)
+    decisions = pallas_guard.decisions()
+    assert {d.interpreter for d in decisions} == {"plain"}, decisions  # never moved off plain
+    if case.kind is None:
+        assert finding is None, finding
+    else:
+        assert finding is not None, f"{case.name}: no finding"
+        assert finding.startswith(f"pallas_guard: a race ({RACE_KINDS[case.kind]}"), finding
+    if case.detector == "hangs" or not _tpu_detector_has_races():
+        return
+    # The same kernel in TPU interpret mode with its detector, through the guard's old route.
+    guarded(checks="races", interpreter="tpu")
+    _, detected = _run(case)
+    assert (detected is not None) == (case.detector == "race"), (case.name, detected)
+    if detected is not None:
+        assert finding is not None  # every race the detector reports, the check finds
+    elif finding is not None:
+        assert case.kind in BLIND, (case.name, finding)  # a finding the detector misses: said why
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.values[0].kind is None])
+def test_with_no_race_the_checked_run_gives_the_unchecked_bits_eager_and_under_jit(
+    case: race_corpus.RaceCase, guarded: Callable[..., None]
+) -> None:
+    if not _runs_here(case):
+        pytest.skip(f"{case.name}: needs jax {case.min_jax} and a CPU run ({case.detector})")
+    guarded(checks="none")
+    unchecked, _ = _run(case)
+    for jit in (False, True):
+        guarded(checks="races")
+        checked, finding = _run(case, jit=jit)
+        assert finding is None, finding
+        for a, b in zip(jax.tree.leaves(unchecked), jax.tree.leaves(checked), strict=True):
+            assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_race_finding_names_the_kernel_both_lines_the_region_and_the_grid_step(
+    jit: bool, guarded: Callable[..., None]
+) -> None:
+    guarded(checks="races")
+    case = race_corpus.case("read_before_wait.overlapping_rows")
+    fn, args = case.build(None)
+    with pytest.raises(PallasGuardError) as info:
+        jax.block_until_ready((jax.jit(fn) if jit else fn)(*args))
+    text = str(info.value)
+    assert "in Pallas kernel '_read_before_wait_part'" in text
+    assert "found by the races check (checks=races from install(" in text
+    # The read (rows 4-11) and the DMA (rows 0-7) share rows 4-7 of the scratch buffer.
+    assert "the read at race_corpus.py:" in text and "o_ref[...] = buf[pl.ds(R // 2, R)]" in text
+    assert "the DMA started at race_corpus.py:" in text and "copy.start()" in text
+    assert "both touch `buf`[4:8, 0:128] at grid step (0,)" in text
+    assert "To fix:" in text
+    [found] = [d for d in pallas_guard.decisions() if d.action == "found"]
+    assert found.check == "races" and found.interpreter == "plain"
+
+
+def test_a_race_in_a_later_grid_step_names_that_step(guarded: Callable[..., None]) -> None:
+    guarded(checks="races")
+    _, finding = _run(race_corpus.case("left_in_flight.unguarded_prefetch"))
+    assert finding is not None and finding.startswith("pallas_guard: a race (a DMA still in flight at the end")
+    assert "at grid step (2,)" in finding  # the last of three steps, where the kernel ends
+
+
+def test_a_kernel_without_dmas_is_not_traced_again() -> None:
+    def kernel(x_ref, o_ref):  # type: ignore[no-untyped-def]
+        o_ref[...] = x_ref[...] * 2
+
+    from jax.experimental import pallas as pl
+
+    x = np.ones((8, 128), np.float32)
+    jaxpr = jax.make_jaxpr(functools.partial(pl.pallas_call(kernel, out_shape=x, interpret=True)))(x)
+    [eqn] = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "pallas_call"]
+    assert not _dma_races.has_dmas(eqn.params["jaxpr"])  # the checked lowering leaves it as it is
+
+
+def test_the_check_adds_one_scratch_buffer_and_changes_no_block() -> None:
+    case = race_corpus.case("valid.double_buffer_fori")
+    fn, args = case.build(True)
+    [eqn] = [e for e in jax.make_jaxpr(fn)(*args).jaxpr.eqns if e.primitive.name == "pallas_call"]
+    params = _internals.private_params(dict(eqn.params))
+    instrumented = _dma_races.instrument(params, _dma_races.Instrumented())
+    before, after = params["jaxpr"].invars, instrumented["jaxpr"].invars
+    assert len(after) == len(before) + 1  # the table of DMAs in flight
+    assert [v.aval for v in after[:-1]] == [v.aval for v in before]
+    assert instrumented["grid_mapping"].block_mappings == params["grid_mapping"].block_mappings
