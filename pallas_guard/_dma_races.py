@@ -166,6 +166,9 @@ def _unflatten(eqn: Any, values: Sequence[Any] | None = None) -> tuple[Any, ...]
         return None
     if not isinstance(operands, tuple) or len(operands) < 3:
         return None
+    if len(operands) == 9:  # jax < 0.10: (ref, its transforms) pairs, then the device id
+        pairs = [(operands[i], operands[i + 1]) for i in (0, 2, 4, 6)]
+        return (*(None if ref is None else _Viewed(ref, tuple(t or ())) for ref, t in pairs), operands[8])
     # A whole ref is passed as itself, a view as a transformed ref (the ref and its transforms).
     return (*(_Viewed.of(item) for item in operands[:4]), *operands[4:])
 
@@ -173,8 +176,8 @@ def _unflatten(eqn: Any, values: Sequence[Any] | None = None) -> tuple[Any, ...]
 class _Viewed:
     """A DMA operand: the ref and the transforms that view it (``view``: what the DMA moves)."""
 
-    def __init__(self, ref: Any, transforms: tuple[Any, ...], view: Any) -> None:
-        self.ref, self.transforms, self.view = ref, transforms, view
+    def __init__(self, ref: Any, transforms: tuple[Any, ...], view: Any = None) -> None:
+        self.ref, self.transforms, self._view = ref, transforms, view
 
     @classmethod
     def of(cls, item: Any) -> _Viewed | None:
@@ -182,7 +185,17 @@ class _Viewed:
             return None
         if hasattr(item, "ref") and hasattr(item, "transforms"):
             return cls(item.ref, tuple(item.transforms), item)
-        return cls(item, (), _aval(item))
+        return cls(item, ())
+
+    @functools.cached_property
+    def view(self) -> Any:
+        """Its shape and dtype (of a traced operand: a jaxpr variable's view is not computed)."""
+        if self._view is not None:
+            return self._view
+        if not self.transforms:
+            return _aval(self.ref)
+        transformed = getattr(_internals.import_optional("jax._src.state.types"), "TransformedRef", None)
+        return transformed(self.ref, self.transforms) if transformed is not None else _aval(self.ref)
 
 
 # --- the check, traced into the kernel ------------------------------------------------------------
@@ -382,6 +395,16 @@ def _traced_jaxpr(function: Callable[..., Any], avals: list[Any], debug_info: An
     return traced[0], list(traced[2])
 
 
+def _scan_counts(params: dict[str, Any]) -> tuple[int, int]:
+    """A ``scan``'s constants and carries: named counts, or (jax 0.12) the lengths of the first two
+    groups of its operands' flat tree."""
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    groups = params["ft_in"]
+    groups = groups.unpack() if callable(getattr(groups, "unpack", None)) else groups
+    return len(groups[0]), len(groups[1])
+
+
 def _grid_context(grid_mapping: Any) -> Any:
     import contextlib
 
@@ -525,7 +548,7 @@ class _Evaluator:
 
         p = eqn.params
         keys = self._keys(eqn, key_of)
-        n_consts, n_carry = p["num_consts"], p["num_carry"]
+        n_consts, n_carry = _scan_counts(p)
         if not self._touches_jaxpr(p["jaxpr"], keys[:n_consts]):
             return eqn.primitive.bind(*values, **p)
         consts, init, xs = values[:n_consts], values[n_consts : n_consts + n_carry], values[n_consts + n_carry :]

@@ -35,6 +35,7 @@ from . import (
     _interpreters,
     _plain,
     _plan,
+    _record,
     _settings,
 )
 from ._enums import Policy
@@ -214,6 +215,8 @@ class Run:
         self.call_args: tuple[tuple[Any, ...], dict[str, Any]] | None = None
         self.check_notes: tuple[str, ...] = ()
         """What the checks said of this call's kernel and shapes (the decision's notes)."""
+        self.learned: list[str] = []
+        """What the net said of the kernel while the front door tried it (a check it could not apply)."""
 
     # --- the kernel in each interpreter ------------------------------------------------------------
 
@@ -350,7 +353,7 @@ class Run:
         for index, name in enumerate(names):
             jitted = self.jitted(name)
             try:
-                with self.ledger.verification():
+                with self.ledger.verification(), _record.collecting_notes(self.learned):
                     # Tracers of an outer trace lower as their avals (memory spaces, weak types
                     # kept): the call below then reuses this trial's trace of the body.
                     if not self._plain_traced(name, jitted, args, kwargs):
@@ -419,7 +422,13 @@ class Run:
     def _commit(self, name: str, tried: tuple[str, ...]) -> None:
         """Record (and warn) for interpreter ``name``; a plain run under a trace is the net's to
         record, at lowering, where the target is certain: the ledger tells it what was tried."""
-        notes = tuple(note for note in (self.candidates.checks_note, self.candidates.note, *self.check_notes) if note)
+        notes = tuple(
+            dict.fromkeys(
+                note
+                for note in (self.candidates.checks_note, self.candidates.note, *self.check_notes, *self.learned)
+                if note
+            )
+        )
         if name != "plain" and _internals.export_platforms() is not None:
             raise _diagnostics.unexportable(
                 kernel=self.kernel.info,

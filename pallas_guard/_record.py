@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass
 
@@ -11,6 +12,8 @@ from ._enums import Policy
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from collections.abc import Iterator
+
     from ._diagnostics import CallSite, KernelInfo
 
 
@@ -119,11 +122,32 @@ def note(
     )
 
 
+_collecting = threading.local()
+
+
+@contextlib.contextmanager
+def collecting_notes(into: list[str]) -> Iterator[None]:
+    """Inside, in this thread, notes go to ``into``: the decision they belong to is recorded after
+    (a trial lowering, before the front door commits to the interpreter it tried)."""
+    previous = getattr(_collecting, "notes", None)
+    _collecting.notes = into
+    try:
+        yield
+    finally:
+        _collecting.notes = previous
+
+
 def annotate(kernel: KernelInfo, called_at: CallSite, note_text: str) -> None:
     """Add ``note_text`` to the latest decision about ``kernel`` called at ``called_at`` (a note a
-    layer learns after it recorded the decision, as when a check cannot be applied at lowering)."""
+    layer learns after it recorded the decision, as when a check cannot be applied at lowering),
+    or to the notes being collected for a decision not yet recorded."""
     import dataclasses
 
+    collected = getattr(_collecting, "notes", None)
+    if collected is not None:
+        if note_text not in collected:
+            collected.append(note_text)
+        return
     with _lock:
         for position in range(len(_records) - 1, -1, -1):
             decision = _records[position]

@@ -168,3 +168,18 @@ def test_the_check_adds_one_scratch_buffer_and_changes_no_block() -> None:
     assert len(after) == len(before) + 1  # the table of DMAs in flight
     assert [v.aval for v in after[:-1]] == [v.aval for v in before]
     assert instrumented["grid_mapping"].block_mappings == params["grid_mapping"].block_mappings
+
+
+def test_a_kernel_whose_dmas_the_check_cannot_follow_runs_unchecked_and_its_decision_says_why(
+    guarded: Callable[..., None], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A primitive the check does not descend into holds the DMAs: here `cond`, made unknown to it.
+    monkeypatch.setattr(_dma_races, "_HANDLED", _dma_races._HANDLED - {"cond"})
+    guarded(checks="races")
+    out, finding = _run(race_corpus.case("read_before_wait.in_cond_branch"))
+    assert finding is None and out is not None  # the race goes unseen: the note must say so
+    [decision] = pallas_guard.decisions()
+    assert decision.interpreter == "plain"
+    assert decision.notes == (
+        "runs unchecked: races could not be checked: it has DMAs inside `cond`, which the check does not follow",
+    )
