@@ -124,12 +124,14 @@ def plan(situation: Situation) -> Plan:  # noqa: PLR0911, PLR0912 - one return p
 
 def _needs_front_door(candidates: Candidates) -> bool:
     """Whether the front door must act under any trace: another interpreter than plain, a choice
-    to verify, a warning about the checks, a missing interpreter to explain, or interpreters to
-    compare (``agree``), or a lowering for the kernel's target to check (``lowering``)."""
+    to verify, a warning about the checks, what the answer is not (a TPU's random bits) for the
+    decision to say, a missing interpreter to explain, or interpreters to compare (``agree``), or a
+    lowering for the kernel's target to check (``lowering``)."""
     return (
         candidates.names != ("plain",)
         or candidates.verify
         or candidates.checks_note is not None
+        or candidates.note is not None
         or candidates.lacking
         or _checks.at_front_door(candidates.checked)
     )

@@ -106,7 +106,8 @@ def test_seeded_draws_are_random_repeatable_and_said_not_to_be_the_tpus(guard: A
     decision = pallas_guard.decisions()[-1]
     assert decision.interpreter == "plain"
     assert any(note.endswith("not the TPU's generator's") for note in decision.notes), decision.notes
-    assert any("not in TPU interpret mode, which detects races" in note for note in decision.notes), decision.notes
+    # Checked for races where it runs: the plain interpretation follows its DMAs (it has none).
+    assert not any("could not be checked" in note for note in decision.notes), decision.notes
 
 
 def test_each_draw_after_a_seed_gives_new_bits(guard: Any) -> None:
