@@ -236,10 +236,11 @@ def _family(case: Case) -> str | None:
     return None if case.name == "tpu.example_kernel.double" else case.family
 
 
-@pytest.mark.parametrize("checks", ["lowering", "lowering,compile"])
+@pytest.mark.parametrize("checks", ["lowering", "lowering,compile", "lowering,agree", "lowering,races"])
 def test_what_jax_logs_while_tracing_a_kernel_is_logged_once(guard: Any, checks: str, caplog: Any) -> None:
-    """The checks trace the kernel again for its target; what JAX logged during the first trace (an
-    unused DMA descriptor) is not logged again: a test counting its log lines sees one."""
+    """The checks trace the kernel again (for its target, in the other interpreters, with the race
+    check's table); what JAX logged during the first trace (an unused DMA descriptor) is not logged
+    again: a test counting its log lines sees one."""
     from jax.experimental.pallas import tpu as pltpu
 
     def unused_descriptor(x_hbm_ref, o_hbm_ref, sem):  # type: ignore[no-untyped-def]
