@@ -48,6 +48,7 @@ GROUPS: dict[str, tuple[str, str]] = {
     "checks": ("checks", "4f. checks=all first call vs unchecked"),
     "compile_check": ("compile_check", "4g. compile check: first call and steady vs unchecked"),
     "tpu_values": ("tpu_values", "4h. CPU values vs the TPU's"),
+    "races": ("races", "4i. race check in the plain interpretation: first call and steady vs unchecked"),
 }
 
 
