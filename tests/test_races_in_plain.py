@@ -190,3 +190,59 @@ def test_a_kernel_whose_dmas_the_check_cannot_follow_runs_unchecked_and_its_deci
     assert decision.notes == (
         "runs unchecked: races could not be checked: it has DMAs inside `cond`, which the check does not follow",
     )
+
+
+# --- the corpus on a real TPU v5e: what a race does to the chip's answer ----------------------------
+
+TPU_RECORDS = Path(__file__).parent / "data" / "race_corpus_tpu_v5e"
+"""Each corpus kernel compiled and run on a TPU v5e (``benchmarks/race_tpu.py``): its outputs (``.npz``,
+``<case>/arr_<i>``) and its fate (``.json``: ran, failed with the chip's error, or not run)."""
+
+
+def _chip(case: race_corpus.RaceCase) -> tuple[str, list[np.ndarray]]:
+    import json
+
+    fate = json.loads(TPU_RECORDS.with_suffix(".json").read_text())["status"][case.name]
+    with np.load(TPU_RECORDS.with_suffix(".npz")) as recorded:
+        outputs = [recorded[k] for k in sorted(recorded.files) if k.startswith(f"{case.name}/")]
+    return fate, outputs
+
+
+def test_on_the_tpu_every_valid_kernel_gives_the_plain_interpreters_bytes_and_the_races_change_the_answer(
+    guarded: Callable[..., None],
+) -> None:
+    """The check's verdicts held against the chip: a kernel it passes computes on the TPU what the
+    plain interpreter computes on the CPU (paged attention: within the MXU's rounding), and of the
+    kernels it finds a race in, the chip computed something else or halted for most (a race's
+    outcome depends on timing: a few land the same bytes)."""
+    guarded(checks="races")
+    changed, runs = 0, 0
+    for case in race_corpus.CASES:
+        if not _runs_here(case):
+            continue
+        fate, chip = _chip(case)
+        if case.kind == "wait_without_start":
+            assert fate.startswith("not run")  # the core would wait forever
+            continue
+        mine, finding = _run(case)
+        if case.kind is None:
+            assert fate == "ran" and finding is None, (case.name, fate, finding)
+            ours = [np.asarray(o) for o in jax.tree.leaves(mine)]
+            assert len(ours) == len(chip)
+            if case.name == "valid.paged_attention":
+                for a, b in zip(ours, chip, strict=True):
+                    np.testing.assert_allclose(a, b, rtol=5e-2, atol=5e-2)
+            else:
+                assert all(a.tobytes() == b.tobytes() for a, b in zip(ours, chip, strict=True)), case.name
+            continue
+        assert finding is not None, case.name
+        runs += 1
+        if fate != "ran":
+            changed += 1  # the chip refused or halted
+            continue
+        fn, args = case.build(True)  # the plain interpreter, unchecked: what a CPU run returns
+        with pallas_guard.policy(checks=()):
+            plain = [np.asarray(o) for o in jax.tree.leaves(jax.block_until_ready(fn(*args)))]
+        changed += any(a.tobytes() != b.tobytes() for a, b in zip(plain, chip, strict=True))
+    assert runs == 17
+    assert changed >= 13  # measured: 13 different answers and one core halt of 17
