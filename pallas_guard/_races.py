@@ -1,8 +1,9 @@
-"""The ``races`` check: the race detector of TPU interpret mode or the Mosaic-GPU interpreter.
+"""The ``races`` check where the kernel runs in an interpreter with a race detector of its own.
 
-The interpreter choice moves a TPU-style kernel to TPU interpret mode and a Mosaic-GPU kernel to
-the Mosaic-GPU interpreter with their detectors on (``_interpreters.candidates``); after the run,
-the detector's verdict becomes a finding.
+A kernel on one core stays in the plain interpreter, which checks races itself (``_dma_races``,
+lowered with the bounds check by ``_bounds.lower``). A kernel in TPU interpret mode (chosen for it,
+or forced) or in the Mosaic-GPU interpreter runs with that interpreter's detector on
+(``_interpreters.candidates``); after the run, the detector's verdict becomes a finding.
 """
 
 from __future__ import annotations
