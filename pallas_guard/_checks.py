@@ -4,8 +4,8 @@ A check says what it needs before a kernel runs (``before``: lower or compile th
 target, run it in every interpreter), which failure of a run is its finding (``finding``), and what
 it inspects after the run (``after``: the interpreter's race state). The interpreter a check needs
 is the interpreter choice's business (``_interpreters.candidates``); the bounds and races checks
-work inside the plain interpretation too, where the lowering net lowers them (``_bounds.lower``). The engine calls the checks in
-force in ``ORDER``; adding a check means its module, a line in ``ORDER`` and ``_check``, and the name
+work inside the plain interpretation too, where the lowering net lowers them (``_bounds.lower``).
+The engine calls the checks in force in ``ORDER``; adding a check means its module, a line in ``ORDER`` and ``_check``, and the name
 in the settings table (``pallas_guard_autoload.CHECKS``), nothing else.
 
 Every finding of every check goes through :func:`found`: recorded as a decision (action
