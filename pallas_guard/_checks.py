@@ -5,8 +5,9 @@ target, run it in every interpreter), which failure of a run is its finding (``f
 it inspects after the run (``after``: the interpreter's race state). The interpreter a check needs
 is the interpreter choice's business (``_interpreters.candidates``); the bounds and races checks
 work inside the plain interpretation too, where the lowering net lowers them (``_bounds.lower``).
-The engine calls the checks in force in ``ORDER``; adding a check means its module, a line in ``ORDER`` and ``_check``, and the name
-in the settings table (``pallas_guard_autoload.CHECKS``), nothing else.
+The engine calls the checks in force in ``ORDER``; adding a check means its module, a line in
+``ORDER`` and ``_check``, and the name in the settings table (``pallas_guard_autoload.CHECKS``),
+nothing else.
 
 Every finding of every check goes through :func:`found`: recorded as a decision (action
 ``found``, with the check's name) and returned as the ``PallasGuardError`` the caller raises; a
