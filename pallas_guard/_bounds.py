@@ -335,14 +335,24 @@ def indexed(operands: Sequence[Any]) -> Iterator[tuple[int, Any, tuple[Any, ...]
 
 
 def _site() -> str:
-    """Where the kernel makes the access: ``file:line (`code`)``."""
-    found = _internals.access_site()
+    """Where the kernel makes the access being discharged: ``at file:line (`code`)``."""
+    text = site_text()
+    return text if text == NO_SITE else f"at {text}"
+
+
+NO_SITE = "in the kernel body"
+
+
+def site_text(eqn: Any = None) -> str:
+    """``file:line (`code`)`` of the kernel line that made an access (the one being discharged, or
+    equation ``eqn``'s), else ``NO_SITE``."""
+    found = _internals.access_site(eqn)
     if found is None:
-        return "in the kernel body"
+        return NO_SITE
     filename, line, _ = found
     code = linecache.getline(filename, line).strip()
     shown = f"{os.path.basename(filename)}:{line}"
-    return f"at {shown} (`{code}`)" if code else f"at {shown}"
+    return f"{shown} (`{code}`)" if code else shown
 
 
 def _escape(text: str) -> str:

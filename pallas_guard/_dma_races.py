@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import linecache
-import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -101,23 +99,15 @@ class Instrumented:
     grid_axes: int = 0
 
     def site(self, eqn: Any) -> int:
-        found = _internals.access_site(eqn)
-        if found is None:
-            text = "in the kernel body"
-        else:
-            filename, line, _ = found
-            code = linecache.getline(filename, line).strip()
-            text = f"{os.path.basename(filename)}:{line}" + (f" (`{code}`)" if code else "")
+        from . import _bounds
+
+        text = _bounds.site_text(eqn)
         if text not in self.sites:
             self.sites.append(text)
         return self.sites.index(text)
 
 
 # --- what the kernel's jaxpr holds ----------------------------------------------------------------
-
-
-def _primitive_names() -> dict[str, str]:
-    return {"dma_start": "start", "dma_wait": "wait"}
 
 
 def has_dmas(jaxpr: Any) -> bool:
@@ -497,10 +487,8 @@ class _Evaluator:
         return [None if _is_literal(v) else key_of.get(v) for v in eqn.invars]
 
     def _touches(self, eqn: Any, key_of: dict[Any, Any]) -> bool:
-        """Whether a nested jaxpr has a DMA or an access to a DMA'd buffer (else bound as it is)."""
-        if has_dmas(eqn.params.get("jaxpr") or _sub_jaxprs(eqn)[0]):
-            return True
-        return any(k in self.involved for k in self._keys(eqn, key_of) if k is not None)
+        """Whether a call's jaxpr has a DMA or an access to a DMA'd buffer (else bound as it is)."""
+        return self._touches_jaxpr(_sub_jaxprs(eqn)[0], self._keys(eqn, key_of))
 
     def cond(self, eqn: Any, values: list[Any], key_of: dict[Any, Any]) -> Any:
         from jax import lax
@@ -508,7 +496,7 @@ class _Evaluator:
         if not any(self._touches_jaxpr(b, self._keys(eqn, key_of)[1:]) for b in eqn.params["branches"]):
             return eqn.primitive.bind(*values, **eqn.params)
         keys = self._keys(eqn, key_of)[1:]
-        refs = self._split_refs(values[1:], keys)
+        refs = _Split(values[1:], [isinstance(_aval(v), self.ref_type) for v in values[1:]])
 
         def branch(closed: Any) -> Callable[..., Any]:
             def run(*plain: Any) -> Any:
@@ -571,9 +559,6 @@ class _Evaluator:
         # Its buffers are the kernel's scratch operands made for them: the body runs in line.
         allocated = [self.hoisted[k] for k in alloc_keys]
         return self.run(_OpenBody(body), (), [*values, *allocated], [*self._keys(eqn, key_of), *alloc_keys])
-
-    def _split_refs(self, values: Sequence[Any], keys: Sequence[Any]) -> _Split:
-        return _Split(values, [isinstance(_aval(v), self.ref_type) for v in values])
 
     # -- the table --
 
@@ -863,13 +848,9 @@ class _Evaluator:
             raise Unsupported("a DMA wait whose buffer the check cannot place")
         buffer = self._buffer(key)
         box = self._box(key, traced[1].ref, tuple(traced[1].transforms))
-        return self._record(table, lax_broadcast(stuck, SLOTS), 7, (site, buffer, box, None))
+        from jax import lax
 
-
-def lax_broadcast(value: Any, n: int) -> Any:
-    from jax import lax
-
-    return lax.broadcast(value, (n,))
+        return self._record(table, lax.broadcast(stuck, (SLOTS,)), 7, (site, buffer, box, None))
 
 
 _INT = "int32"
