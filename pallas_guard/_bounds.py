@@ -202,6 +202,9 @@ def lower(
         except _dma_races.Unsupported as why:
             races = None
             _diagnostics.unchecked(kernel, call_site, "races", why=str(why))
+        else:
+            if not races.points:  # race-free whichever way it runs, decided while tracing
+                races = None
     if "bounds" not in checks and races is None:
         return None
     interpret = _internals.plain_interpreter(private)

@@ -218,34 +218,66 @@ def instrument(params: dict[str, Any], instrumented: Instrumented) -> dict[str, 
     kept = sorted(_written_inputs(jaxpr) & set(range(params["grid_mapping"].num_index_operands)))
     vmapped = tuple(getattr(grid_mapping, "vmapped_dims", None) or ())
     instrumented.grid_axes = len(params["grid_mapping"].grid) - len(vmapped)
-    table_aval = ref_type(jax.core.ShapedArray((SLOTS + 3, FIELDS), jax.numpy.int32))
-    evaluator = _Evaluator(instrumented, involved, ref_type)
+    hoisted_ids = {}
     for key, aval in hoisted.items():
-        evaluator.buffer_ids[key] = len(instrumented.buffers)
+        hoisted_ids[key] = len(instrumented.buffers)
         instrumented.buffers.append(Buffer(f"a pl.run_scoped buffer ({aval})", tuple(getattr(aval, "shape", ()))))
+    evaluator: _Evaluator
+    if DECIDE_WHILE_TRACING and not kept:
+        evaluator = _Decided(instrumented, involved, ref_type, hoisted_ids)
+        try:
+            new_jaxpr = _trace_instrumented(jaxpr, grid_mapping, evaluator, kept=[], hoisted=hoisted, table_aval=None)
+        except _Undecided:
+            del instrumented.points[:], instrumented.sites[:]
+        else:
+            if not instrumented.points:  # no DMA in flight where the kernel touches its buffers
+                return params
+            return {**params, "jaxpr": new_jaxpr, "grid_mapping": _with_scratch(grid_mapping, (*hoisted.values(),))}
+    table_aval = ref_type(jax.core.ShapedArray((SLOTS + 3, FIELDS), jax.numpy.int32))
+    evaluator = _Evaluator(instrumented, involved, ref_type, hoisted_ids)
+    new_jaxpr = _trace_instrumented(jaxpr, grid_mapping, evaluator, kept=kept, hoisted=hoisted, table_aval=table_aval)
+    kept_avals = [jaxpr.invars[position].aval for position in kept]
+    new_mapping = _with_scratch(grid_mapping, (*kept_avals, *hoisted.values(), table_aval))
+    return {**params, "jaxpr": new_jaxpr, "grid_mapping": new_mapping}
+
+
+DECIDE_WHILE_TRACING = True
+"""Whether the check first tries to decide the DMAs in flight while tracing (``_Decided``), before
+it falls back to the table. Off only in tests, which hold both ways against the same corpus."""
+
+
+def _trace_instrumented(
+    jaxpr: Any,
+    grid_mapping: Any,
+    evaluator: _Evaluator,
+    *,
+    kept: list[int],
+    hoisted: dict[Any, Any],
+    table_aval: Any,
+) -> Any:
+    """The kernel's jaxpr traced again through ``evaluator``, with the scratch operands it adds: a
+    copy of each ``kept`` scalar-prefetch operand, the ``hoisted`` scope buffers, the table if any."""
 
     def kernel(*refs: Any) -> list[Any]:
         n = len(jaxpr.invars)
         operands, copies = list(refs[:n]), refs[n : n + len(kept)]
-        scoped, table = list(refs[n + len(kept) : -1]), refs[-1]
-        evaluator.hoisted = dict(zip(hoisted, scoped, strict=True))
-        evaluator.table = table
-        evaluator.step_ids = _step_ids(instrumented.grid_axes)
+        rest = list(refs[n + len(kept) :])
+        if table_aval is not None:
+            evaluator.table = rest.pop()
+        evaluator.hoisted = dict(zip(hoisted, rest, strict=True))
+        evaluator.step_ids = _step_ids(evaluator.instrumented.grid_axes)
         evaluator.begin_step()
         for position, copy in zip(kept, copies, strict=True):
             evaluator.keep_across_steps(operands[position], copy)
             operands[position] = copy
-        keys = list(range(len(operands)))
-        evaluator.run(jaxpr, (), operands, keys)
+        evaluator.run(jaxpr, (), operands, list(range(len(operands))))
         evaluator.end_step()
         return []
 
     with _grid_context(grid_mapping):  # program ids and grid sizes are bound while tracing
         kept_avals = [jaxpr.invars[position].aval for position in kept]
-        avals = [v.aval for v in jaxpr.invars] + kept_avals + list(hoisted.values()) + [table_aval]
-        new_jaxpr = _trace(kernel, avals, jaxpr)
-    new_mapping = _with_scratch(grid_mapping, (*kept_avals, *hoisted.values(), table_aval))
-    return {**params, "jaxpr": new_jaxpr, "grid_mapping": new_mapping}
+        avals = [v.aval for v in jaxpr.invars] + kept_avals + list(hoisted.values())
+        return _trace(kernel, avals + ([table_aval] if table_aval is not None else []), jaxpr)
 
 
 def _operand_buffers(jaxpr: Any, grid_mapping: Any) -> list[Buffer]:
@@ -418,16 +450,17 @@ class _Evaluator:
     """Evaluates a kernel's jaxpr in the trace of the instrumented kernel, binding each equation again
     and adding the table's reads, updates and checks around DMAs and accesses to DMA'd buffers."""
 
-    def __init__(self, instrumented: Instrumented, involved: frozenset[Any], ref_type: type) -> None:
+    def __init__(
+        self, instrumented: Instrumented, involved: frozenset[Any], ref_type: type, hoisted_ids: dict[Any, int]
+    ) -> None:
         self.instrumented = instrumented
         self.involved = involved
         self.ref_type = ref_type
         self.table: Any = None
         self.step_ids: list[Any] = []
-        self.buffer_ids: dict[Any, int] = {}
+        self.buffer_ids: dict[Any, int] = {k: k for k in range(len(instrumented.buffers))}
+        self.buffer_ids.update(hoisted_ids)
         self.hoisted: dict[Any, Any] = {}
-        for position in range(len(instrumented.buffers)):
-            self.buffer_ids[position] = position
         self.accesses = {id(a.primitive): a for a in _internals.ref_accesses() if a.kind != "copy"}
 
     # -- evaluation --
@@ -483,6 +516,10 @@ class _Evaluator:
             return outs if eqn.primitive.multiple_results else outs[0]
         return eqn.primitive.bind(*values, **params)
 
+    def body(self, jaxpr: Any, args: Sequence[Any], keys: Sequence[Any]) -> list[Any]:
+        """A branch or loop body (the table is a ref: what the body does to it stays in it)."""
+        return self.run(jaxpr, (), args, keys)
+
     def _keys(self, eqn: Any, key_of: dict[Any, Any]) -> list[Any]:
         return [None if _is_literal(v) else key_of.get(v) for v in eqn.invars]
 
@@ -500,7 +537,7 @@ class _Evaluator:
 
         def branch(closed: Any) -> Callable[..., Any]:
             def run(*plain: Any) -> Any:
-                return self.run(closed, (), refs.merge(plain), keys)
+                return self.body(closed, refs.merge(plain), keys)
 
             return run
 
@@ -524,10 +561,10 @@ class _Evaluator:
         n_carry = len(init)
 
         def cond_fun(carry: Any) -> Any:
-            return self.run(p["cond_jaxpr"], (), [*cond_consts, *carry], [*cond_keys, *([None] * n_carry)])[0]
+            return self.body(p["cond_jaxpr"], [*cond_consts, *carry], [*cond_keys, *([None] * n_carry)])[0]
 
         def body_fun(carry: Any) -> Any:
-            return tuple(self.run(p["body_jaxpr"], (), [*body_consts, *carry], [*body_keys, *([None] * n_carry)]))
+            return tuple(self.body(p["body_jaxpr"], [*body_consts, *carry], [*body_keys, *([None] * n_carry)]))
 
         return list(lax.while_loop(cond_fun, body_fun, tuple(init)))
 
@@ -543,7 +580,7 @@ class _Evaluator:
         n_xs = len(xs)
 
         def body(carry: Any, x: Any) -> Any:
-            outs = self.run(p["jaxpr"], (), [*consts, *carry, *x], [*keys[:n_consts], *([None] * (n_carry + n_xs))])
+            outs = self.body(p["jaxpr"], [*consts, *carry, *x], [*keys[:n_consts], *([None] * (n_carry + n_xs))])
             return tuple(outs[:n_carry]), tuple(outs[n_carry:])
 
         carry, ys = lax.scan(
@@ -853,6 +890,251 @@ class _Evaluator:
         return self._record(table, lax.broadcast(stuck, (SLOTS,)), 7, (site, buffer, box, None))
 
 
+class _Undecided(Exception):
+    """The DMAs in flight depend on values the trace does not know: the table follows them."""
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Row:
+    """A DMA in flight (or, ``credit``, completed with bytes a wait has not used), known while tracing:
+    its buffers and bytes, and its regions as (first, length) per followed dimension, each first an
+    int or the traced index the kernel gave (compared by identity before by value)."""
+
+    site: int
+    dst: int
+    src: int
+    sem: tuple[int, tuple[Any, ...]]
+    bytes: int
+    dst_box: tuple[tuple[Any, int], ...]
+    src_box: tuple[tuple[Any, int], ...]
+    credit: bool = False
+
+
+class _Decided(_Evaluator):
+    """The check decided while tracing, for kernels whose DMAs in flight are the same whichever way
+    the kernel runs: every branch and loop body leaves the DMAs in flight as it found them, every
+    wait's semaphore is known while tracing, and no DMA crosses a grid step. Then what is in flight
+    at each access is known, and only an access whose region overlaps a DMA's by traced indices
+    gets a check, of those indices alone; a kernel that races for certain gets a check that fails
+    there. Anything else raises ``_Undecided``, and the table follows the kernel instead."""
+
+    rows: list[_Row]
+
+    def begin_step(self) -> None:
+        self.rows = []
+
+    def keep_across_steps(self, operand: Any, copy: Any) -> None:
+        raise _Undecided
+
+    def end_step(self) -> None:
+        if self.rows:
+            raise _Undecided  # a DMA crosses the grid step (or a kernel leaves one in flight)
+
+    def _region(self, key: Any, transforms: Sequence[Any]) -> tuple[tuple[Any, int], ...]:
+        """(first, length) per followed dimension of the region an access or DMA touches: the table's
+        box (``_box``), each first as the kernel gave it, so that the same index is seen as such."""
+        from . import _bounds
+
+        shape = self.instrumented.buffers[self._buffer(key)].shape
+        indexer_class = _internals.nd_indexer_class()
+        indexers = [t for t in transforms if indexer_class is not None and isinstance(t, indexer_class)]
+        region: list[tuple[Any, int]] = [(0, n) for n in shape]
+        ranges = _bounds.compose(indexers) if len(indexers) > 1 and len(indexers) == len(transforms) else None
+        if ranges is not None:
+            region = [
+                (offset, 1 if size is None else stride * (size - 1) + 1 if size else 0)
+                for offset, stride, size in ranges
+            ]
+        elif indexers and len(indexers) == len(transforms):
+            region = self._indexed(indexers[0], shape)
+        region = region[:DIMS]
+        return tuple(region + [(0, 1)] * (DIMS - len(region)))
+
+    @staticmethod
+    def _static(index: Any) -> Any:
+        """An index as an int where it is one, else as the kernel's traced value (of any integer
+        type: the same index is then the same object)."""
+        import numpy as np
+
+        return int(index) if isinstance(index, int | np.integer) and not isinstance(index, bool) else index
+
+    def _indexed(self, indexer: Any, shape: tuple[int, ...]) -> list[tuple[Any, int]]:
+        slice_class = _internals.slice_class()
+        region: list[tuple[Any, int]] = []
+        for index, n in zip(indexer.indices, shape, strict=False):
+            size, stride = getattr(index, "size", None), getattr(index, "stride", 1)
+            if slice_class is not None and isinstance(index, slice_class) and isinstance(size, int):
+                region.append((self._static(index.start), stride * (size - 1) + 1 if size else 0))
+            elif getattr(index, "shape", ()) == ():
+                region.append((self._static(index), 1))
+            else:
+                region.append((0, n))
+        return region
+
+    def _overlap(self, buffer: int, a: tuple[tuple[Any, int], ...], b: tuple[tuple[Any, int], ...]) -> Any:
+        """Whether two regions of ``buffer`` overlap: True, False or a traced bool."""
+        from jax import lax
+
+        shape = self.instrumented.buffers[buffer].shape
+        traced: list[Any] = []
+        for d, ((first_a, len_a), (first_b, len_b)) in enumerate(zip(a, b, strict=True)):
+            if len_a <= 0 or len_b <= 0:
+                return False
+            if isinstance(first_a, int) and isinstance(first_b, int):
+                if not (first_a < first_b + len_b and first_b < first_a + len_a):
+                    return False
+            elif first_a is first_b or (d < len(shape) and (_covers(a[d], shape[d]) or _covers(b[d], shape[d]))):
+                continue
+            else:
+                ends_after = lax.lt(_i32(first_b), lax.add(_i32(first_a), _i32(len_a)))
+                traced.append(lax.bitwise_and(lax.lt(_i32(first_a), lax.add(_i32(first_b), _i32(len_b))), ends_after))
+        return functools.reduce(lax.bitwise_and, traced) if traced else True
+
+    def _check(
+        self, hit: Any, kind: int, *, site: int, buffer: int, region: Any, row: _Row | None, against: int | None
+    ) -> None:
+        """A check that fails where ``hit`` (True: wherever the kernel gets here), with the finding's
+        facts laid out as the table's (``describe`` reads both)."""
+        from jax import lax
+
+        from . import _bounds
+
+        box = [(_int32(first), _bounds.plus(_int32(first), length)) for first, length in region]
+        template = [tuple(v if isinstance(v, int) else None for v in pair) for pair in box]
+        traced = [v for pair in box for v in pair if not isinstance(v, int)]
+        self.instrumented.points.append(Point(kind, site, buffer, template, against))  # type: ignore[arg-type]
+        recorded: list[Any] = [len(self.instrumented.points), *traced]
+        recorded += [0] * (FIELDS - len(recorded))
+        fields: list[Any] = [0] * FIELDS
+        if row is not None:
+            fields[_STATE], fields[_BYTES], fields[_DST], fields[_SRC], fields[_SITE] = (
+                _IN_FLIGHT,
+                row.bytes,
+                row.dst,
+                row.src,
+                row.site,
+            )
+            for field, row_box in ((_DST_BOX, row.dst_box), (_SRC_BOX, row.src_box)):
+                for d, (first, length) in enumerate(row_box):
+                    fields[field + 2 * d], fields[field + 2 * d + 1] = first, _bounds.plus(_int32(first), length)
+        values = [*recorded, *fields, *self.step_ids]
+        vector = lax.concatenate([lax.broadcast(_i32(v), (1,)) for v in values], 0)
+        ok = lax.full((), False, "bool") if hit is True else lax.bitwise_not(hit)
+        message = _MARK + " " + " ".join("{}" for _ in values)
+        _bounds.check_vector(ok, message, vector)
+
+    def _against_rows(self, kind: int, site: int, buffer: int, region: Any, *, dst: bool, src: bool) -> None:
+        for row in self.rows:
+            if row.credit:
+                continue
+            for touches, box in ((dst and row.dst == buffer, row.dst_box), (src and row.src == buffer, row.src_box)):
+                if touches:
+                    hit = self._overlap(buffer, region, box)
+                    if hit is not False:
+                        self._check(hit, kind, site=site, buffer=buffer, region=region, row=row, against=_DST_BOX)
+
+    def access(self, eqn: Any, values: list[Any], key_of: dict[Any, Any], how: _internals.RefAccess) -> None:
+        import jax
+
+        from . import _bounds
+
+        tree = eqn.params.get(how.tree_param)
+        if tree is None or not self.rows:
+            return
+        if how.leading:
+            operands: tuple[Any, ...] = (values[0], jax.tree_util.tree_unflatten(tree, values[how.leading :]))
+        else:
+            operands = tuple(jax.tree_util.tree_unflatten(tree, values))
+        transforms = next((t for role, _, t in _bounds.indexed(operands) if role == 0), ())
+        key = key_of[eqn.invars[0]]
+        buffer, region = self._buffer(key), self._region(key, transforms)
+        write = how.kind == "write"
+        self._against_rows(2 if write else 1, self.instrumented.site(eqn), buffer, region, dst=True, src=write)
+
+    def _sem(self, atom: Any, traced: Any, key_of: dict[Any, Any]) -> tuple[int, tuple[Any, ...]]:
+        key = key_of.get(atom.ref)
+        if key is None:
+            raise Unsupported("a DMA whose semaphore the check cannot place")
+        return self._buffer(key), tuple(first for first, _ in self._region(key, tuple(traced.transforms)))
+
+    def dma_start(self, eqn: Any, values: list[Any], key_of: dict[Any, Any]) -> None:
+        atoms, traced = self._dma_operands(eqn, values, key_of)
+        src_key, dst_key = key_of.get(atoms[0].ref), key_of.get(atoms[1].ref)
+        if src_key is None or dst_key is None:
+            raise Unsupported("a DMA between buffers the check cannot place")
+        if len(self.rows) >= SLOTS:
+            raise _Undecided
+        src, dst = self._buffer(src_key), self._buffer(dst_key)
+        src_box = self._region(src_key, tuple(traced[0].transforms))
+        dst_box = self._region(dst_key, tuple(traced[1].transforms))
+        site = self.instrumented.site(eqn)
+        self._against_rows(4, site, src, src_box, dst=True, src=False)
+        self._against_rows(5, site, dst, dst_box, dst=True, src=True)
+        sem = self._sem(atoms[2], traced[2], key_of)
+        self.rows.append(_Row(site, dst, src, sem, _bytes(traced[1]), dst_box, src_box))
+
+    def dma_wait(self, eqn: Any, values: list[Any], key_of: dict[Any, Any]) -> None:
+        atoms, traced = self._dma_operands(eqn, values, key_of)
+        sem = self._sem(atoms[2], traced[2], key_of)
+        wanted = _bytes(traced[1])
+        eligible = [row for row in self.rows if _same_sem(row.sem, sem)]
+        # A wait completes the DMAs on its semaphore oldest first, as many as its byte count covers.
+        before, rows = 0, []
+        for row in self.rows:
+            if row in eligible and before < wanted:
+                left = row.bytes - min(row.bytes, wanted - before)
+                before += row.bytes
+                if left > 0:
+                    rows.append(dataclasses.replace(row, bytes=left, credit=True))
+            else:
+                before += row.bytes if row in eligible else 0
+                rows.append(row)
+        if before < wanted:
+            key = key_of.get(atoms[1].ref)
+            if key is None:
+                raise Unsupported("a DMA wait whose buffer the check cannot place")
+            region = self._region(key, tuple(traced[1].transforms))
+            self._check(
+                True,
+                7,
+                site=self.instrumented.site(eqn),
+                buffer=self._buffer(key),
+                region=region,
+                row=None,
+                against=None,
+            )
+        self.rows = rows
+
+    def body(self, jaxpr: Any, args: Sequence[Any], keys: Sequence[Any]) -> list[Any]:
+        """A branch or loop body, which must leave the DMAs in flight as it found them."""
+        rows = list(self.rows)
+        outs = self.run(jaxpr, (), args, keys)
+        if len(self.rows) != len(rows) or any(a is not b for a, b in zip(self.rows, rows, strict=True)):
+            raise _Undecided
+        return outs
+
+
+def _covers(extent: tuple[Any, int], n: int) -> bool:
+    first, length = extent
+    return isinstance(first, int) and first <= 0 and first + length >= n
+
+
+def _same_sem(a: tuple[int, tuple[Any, ...]], b: tuple[int, tuple[Any, ...]]) -> bool:
+    """Whether two semaphores are the same one; ``_Undecided`` where only their traced indices tell."""
+    if a[0] != b[0]:
+        return False
+    unknown = False
+    for x, y in zip(a[1], b[1], strict=True):
+        if isinstance(x, int) and isinstance(y, int):
+            if x != y:
+                return False
+        elif x is not y:
+            unknown = True
+    if unknown:
+        raise _Undecided
+    return True
+
+
 _INT = "int32"
 
 
@@ -863,6 +1145,11 @@ def _i32(value: Any) -> Any:
     if isinstance(value, int):
         return np.int32(value)
     return value if getattr(value, "dtype", None) == np.int32 else lax.convert_element_type(value, np.int32)
+
+
+def _int32(value: Any) -> Any:
+    """An int as itself, a traced index as int32."""
+    return value if isinstance(value, int) else _i32(value)
 
 
 def _true() -> Any:

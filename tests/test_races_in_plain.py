@@ -48,6 +48,16 @@ def _runs_here(case: race_corpus.RaceCase) -> bool:
 
 CASES = [pytest.param(case, id=case.name) for case in race_corpus.CASES]
 
+WAYS = ["decided-first", "table"]
+"""How the check follows the DMAs: decided while tracing where it can (what users get), or always
+with the table of DMAs in flight (its fallback, held to the same corpus)."""
+
+
+@pytest.fixture(params=WAYS)
+def way(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    monkeypatch.setattr(_dma_races, "DECIDE_WHILE_TRACING", request.param == "decided-first")
+    return str(request.param)
+
 
 @pytest.fixture
 def guarded() -> Iterator[Callable[..., None]]:
@@ -84,7 +94,7 @@ def _tpu_detector_has_races() -> bool:
 
 @pytest.mark.parametrize("case", CASES)
 def test_the_race_check_in_plain_finds_what_tpu_interpret_modes_detector_finds(
-    case: race_corpus.RaceCase, guarded: Callable[..., None]
+    case: race_corpus.RaceCase, guarded: Callable[..., None], way: str
 ) -> None:
     if not _runs_here(case):
         pytest.skip(f"{case.name}: needs jax {case.min_jax} and a CPU run ({case.detector})")
@@ -97,7 +107,7 @@ def test_the_race_check_in_plain_finds_what_tpu_interpret_modes_detector_finds(
     else:
         assert finding is not None, f"{case.name}: no finding"
         assert finding.startswith(f"pallas_guard: a race ({RACE_KINDS[case.kind]}"), finding
-    if case.detector == "hangs" or not _tpu_detector_has_races():
+    if case.detector == "hangs" or not _tpu_detector_has_races() or way == "table":
         return
     # The same kernel in TPU interpret mode with its detector, through the guard's old route.
     guarded(checks="races", interpreter="tpu")
@@ -111,7 +121,7 @@ def test_the_race_check_in_plain_finds_what_tpu_interpret_modes_detector_finds(
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.values[0].kind is None])
 def test_with_no_race_the_checked_run_gives_the_unchecked_bits_eager_and_under_jit(
-    case: race_corpus.RaceCase, guarded: Callable[..., None]
+    case: race_corpus.RaceCase, guarded: Callable[..., None], way: str
 ) -> None:
     if not _runs_here(case):
         pytest.skip(f"{case.name}: needs jax {case.min_jax} and a CPU run ({case.detector})")
@@ -127,7 +137,7 @@ def test_with_no_race_the_checked_run_gives_the_unchecked_bits_eager_and_under_j
 
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 def test_a_race_finding_names_the_kernel_both_lines_the_region_and_the_grid_step(
-    jit: bool, guarded: Callable[..., None]
+    jit: bool, guarded: Callable[..., None], way: str
 ) -> None:
     guarded(checks="races")
     case = race_corpus.case("read_before_wait.overlapping_rows")
@@ -153,6 +163,37 @@ def test_a_race_in_a_later_grid_step_names_that_step(guarded: Callable[..., None
     assert "at grid step (2,)" in finding  # the last of three steps, where the kernel ends
 
 
+def _instrumented(name: str) -> tuple[dict[str, Any], dict[str, Any], _dma_races.Instrumented]:
+    """(the kernel's params, what the check makes of them, what its findings refer to)."""
+    fn, args = race_corpus.case(name).build(True)
+    [eqn] = [e for e in jax.make_jaxpr(fn)(*args).jaxpr.eqns if e.primitive.name == "pallas_call"]
+    params = _internals.private_params(dict(eqn.params))
+    instrumented = _dma_races.Instrumented()
+    return params, _dma_races.instrument(params, instrumented), instrumented
+
+
+@pytest.mark.parametrize(
+    "name", ["valid.reuse_after_wait", "valid.staging_loop_waited", "valid.cond_branch", "valid.run_scoped"]
+)
+def test_a_kernel_that_waits_its_dmas_in_the_same_step_is_decided_while_tracing_and_left_as_it_is(name: str) -> None:
+    # Its DMAs in flight are the same whichever way it runs, and none is where it touches a buffer.
+    params, checked, instrumented = _instrumented(name)
+    assert checked is params and not instrumented.points
+
+
+def test_a_kernel_that_races_for_certain_is_decided_while_tracing_with_one_check_and_no_table() -> None:
+    params, checked, instrumented = _instrumented("read_before_wait.overlapping_rows")
+    assert [p.kind for p in instrumented.points] == [1]  # the read, against the one DMA in flight
+    assert len(checked["jaxpr"].invars) == len(params["jaxpr"].invars)
+
+
+@pytest.mark.parametrize("name", ["valid.cross_step_prefetch", "valid.double_buffer_fori"])
+def test_a_kernel_whose_dmas_in_flight_depend_on_its_values_gets_the_table(name: str) -> None:
+    # A DMA crossing the grid step, or started in one iteration and waited in the next.
+    params, checked, _ = _instrumented(name)
+    assert len(checked["jaxpr"].invars) == len(params["jaxpr"].invars) + 1
+
+
 def test_a_kernel_without_dmas_is_not_traced_again() -> None:
     def kernel(x_ref, o_ref):  # type: ignore[no-untyped-def]
         o_ref[...] = x_ref[...] * 2
@@ -165,12 +206,8 @@ def test_a_kernel_without_dmas_is_not_traced_again() -> None:
     assert not _dma_races.has_dmas(eqn.params["jaxpr"])  # the checked lowering leaves it as it is
 
 
-def test_the_check_adds_one_scratch_buffer_and_changes_no_block() -> None:
-    case = race_corpus.case("valid.double_buffer_fori")
-    fn, args = case.build(True)
-    [eqn] = [e for e in jax.make_jaxpr(fn)(*args).jaxpr.eqns if e.primitive.name == "pallas_call"]
-    params = _internals.private_params(dict(eqn.params))
-    instrumented = _dma_races.instrument(params, _dma_races.Instrumented())
+def test_the_table_is_one_scratch_buffer_more_and_changes_no_block() -> None:
+    params, instrumented, _ = _instrumented("valid.double_buffer_fori")
     before, after = params["jaxpr"].invars, instrumented["jaxpr"].invars
     assert len(after) == len(before) + 1  # the table of DMAs in flight
     assert [v.aval for v in after[:-1]] == [v.aval for v in before]
