@@ -22,7 +22,7 @@ import contextlib
 import dataclasses
 import threading
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from . import _checks, _diagnostics, _findings, _internals, _interpreters, _record
@@ -172,6 +172,11 @@ def _not_traceable(run: Run, args: tuple[Any, ...], kwargs: dict[str, Any]) -> s
     for leaf in jax.tree_util.tree_leaves((args, kwargs)):
         if isinstance(leaf, jax.core.Tracer) and type(leaf).__name__ != "DynamicJaxprTracer":
             return f"called under a transformation other than jit ({type(leaf).__name__})"
+    # A kernel without operands shows no tracer of the transformation it is called under (a
+    # `jax.vmap(kernel, axis_size=2)()`), whose batching of the comparison's branch would fail.
+    trace = _internals.current_trace()
+    if trace is not None and type(trace).__name__ != "DynamicJaxprTrace":
+        return f"called under a transformation other than jit ({type(trace).__name__})"
     return None
 
 
@@ -233,13 +238,40 @@ def _compare_when_run(
 
     def compare_now(operands: Any) -> None:
         chosen_out, call_args, call_kwargs = operands
+        # Called, not jitted: XLA (jax 0.12) aborts the process compiling a jitted TPU interpret
+        # mode call without operands inside a branch.
         with _internals.retrace_logs_muted():
-            other_outs = [run.jitted(n)(*call_args, **call_kwargs) for n in usable]
+            other_outs = [run.variant(n)(*call_args, **call_kwargs) for n in usable]
         jax.debug.callback(compare_on_host, chosen_out, *other_outs)
 
-    shape: Any = jax.ShapeDtypeStruct
-    opened = io_callback(first_run, shape((), np.bool_), ordered=False)
-    lax.cond(opened, compare_now, lambda operands: None, (out, args, kwargs))
+    def gate(operands: Any) -> Any:
+        shape: Any = jax.ShapeDtypeStruct
+        opened = io_callback(first_run, shape((), np.bool_), ordered=False)
+        lax.cond(opened, compare_now, lambda operands: None, operands)
+        return np.bool_(False)
+
+    _unless_batched(run, gate, lax.stop_gradient((out, args, kwargs)))  # compared, never differentiated
+
+
+def _unless_batched(run: Run, gate: Callable[[Any], Any], operands: Any) -> None:
+    """``gate(operands)``, traced into the computation; where a `jax.vmap` of the jitted function
+    batches the computation after the guard traced it (JAX cannot batch a branch with host
+    callbacks), nothing is compared and the decision says so."""
+    import numpy as np
+
+    batching_rule_of_our_own = _internals.batching_rule_of_our_own()
+    if batching_rule_of_our_own is None:
+        gate(operands)
+        return
+    gated: Any = batching_rule_of_our_own(gate)
+
+    def batched(axis_size: int, in_batched: Any, operands: Any) -> tuple[Any, bool]:
+        note = "agree: not checked: called under jax.vmap (batched after the guard traced it)"
+        run.ledger.annotate(run.kernel.info, run.call_site, note)
+        return np.bool_(False), False
+
+    gated.def_vmap(batched)
+    gated(operands)
 
 
 def _fills(run: Run, names: Sequence[str], outputs: Any) -> dict[str, list[Any]]:

@@ -234,6 +234,11 @@ class Run:
         built, value = self._memo((name,), build)
         return built, value
 
+    def variant(self, name: str) -> Callable[..., Any]:
+        """The kernel built for interpreter ``name``, to call inside a trace of one's own."""
+        built: Callable[..., Any] = self._variant(name)[0]
+        return built
+
     def jitted(self, name: str) -> Callable[..., Any]:
         """The variant for ``name`` under ``jax.jit``: its trial lowering is kept for the real call."""
         import jax

@@ -557,6 +557,21 @@ def ref_accesses() -> list[RefAccess]:
     return list(found.values())
 
 
+def batching_rule_of_our_own() -> Callable[[Callable[..., Any]], Any] | None:
+    """``jax.custom_batching.custom_vmap`` where a call of it whose result is unused stays in a
+    jitted computation (from jax 0.8: 0.7 drops it); None elsewhere."""
+    if jax_release() < (0, 8):
+        return None
+    custom_batching = import_optional("jax.custom_batching")
+    return getattr(custom_batching, "custom_vmap", None)
+
+
+def current_trace() -> Any:
+    """The trace JAX binds primitives in now (None where this jax does not say)."""
+    context = getattr(import_optional("jax._src.core"), "trace_ctx", None)
+    return getattr(context, "trace", None)
+
+
 def nd_indexer_class() -> type[Any] | None:
     cls = first_attribute([("jax._src.state.indexing", "NDIndexer")])
     return cls if isinstance(cls, type) else None

@@ -18,7 +18,7 @@ from collections.abc import Hashable, Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:  # at run time only their attributes are read: importing the guard stays light
-    from ._diagnostics import KernelInfo
+    from ._diagnostics import CallSite, KernelInfo
     from ._entry_points import EntryPoint
 
 _MAX_ENTRIES = 4096  # per store: one entry per kernel definition or identity, bounded all the same
@@ -84,6 +84,18 @@ class Ledger:
         with self._lock:
             if len(self._left) < _MAX_ENTRIES:
                 self._left[kernel_key(kernel)] = (tried, notes)
+
+    def annotate(self, kernel: KernelInfo, call_site: CallSite, note: str) -> None:
+        """Add ``note`` to what the net will record of a kernel left to it, or else to the
+        decision already recorded (a note learned after the front door committed)."""
+        with self._lock:
+            left = self._left.get(kernel_key(kernel))
+            if left is not None:
+                self._left[kernel_key(kernel)] = (left[0], tuple(dict.fromkeys((*left[1], note))))
+                return
+        from . import _record
+
+        _record.annotate(kernel, call_site, note)
 
     def left_to_net(self, kernel: KernelInfo) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """(what was tried, notes) for a kernel the front door left to the net; empty if none."""

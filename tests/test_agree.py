@@ -175,3 +175,59 @@ def test_under_vmap_the_comparison_is_not_traced_and_the_note_says_so(guard: Any
     np.testing.assert_array_equal(out[0], out[1])
     notes = pallas_guard.decisions()[-1].notes
     assert any(note.startswith("agree: not checked: called under a transformation other than jit") for note in notes)
+
+
+def test_under_vmap_of_a_kernel_without_operands_the_comparison_is_not_traced(guard: Any) -> None:
+    # No operand carries the batching: the guard reads the trace it is called under.
+    guard("interpret", checks="agree", device="tpu-v5e")
+    shape = jax.ShapeDtypeStruct((8, 128), jnp.int32)
+
+    def programs(o_ref):  # type: ignore[no-untyped-def]
+        o_ref[...] = jnp.full_like(o_ref, pl.num_programs(0))
+
+    call = pl.pallas_call(programs, grid=(8,), out_specs=pl.BlockSpec((8, 128), lambda i: (0, 0)), out_shape=shape)
+    out = jax.jit(lambda: jax.vmap(call, axis_size=2)())()
+    np.testing.assert_array_equal(out, np.full((2, 8, 128), 8))
+    notes = pallas_guard.decisions()[-1].notes
+    assert any(note.startswith("agree: not checked: called under a transformation other than jit") for note in notes)
+
+
+def test_a_kernel_without_operands_is_compared_under_jit_and_the_process_lives() -> None:
+    # Its TPU interpret mode call, jitted inside the comparison's branch, once made XLA (jax 0.12)
+    # abort the process while compiling: run in a process of its own.
+    from conftest import clean_env, run_python
+
+    result = run_python(
+        """
+        import jax, jax.numpy as jnp, numpy as np
+        from jax.experimental import pallas as pl
+        import pallas_guard
+        pallas_guard.install("interpret", checks="agree", device="tpu-v5e")
+
+        def programs(o_ref):
+            o_ref[...] = jnp.full_like(o_ref, pl.num_programs(0))
+
+        spec = pl.BlockSpec((8, 128), lambda i: (0, 0))
+        shape = jax.ShapeDtypeStruct((8, 128), jnp.int32)
+        out = jax.jit(pl.pallas_call(programs, grid=(8,), out_specs=spec, out_shape=shape))()
+        print(np.unique(out).tolist(), pallas_guard.decisions()[-1].notes)
+        """,
+        env=clean_env({"JAX_PLATFORMS": "cpu"}),
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "[8] ('agree: plain, tpu agree',)"
+
+
+def test_a_vmap_of_the_jitted_function_batches_it_uncompared_and_the_note_says_so(guard: Any) -> None:
+    # The guard traced the comparison under jit, unbatched; the vmap batches that trace after.
+    from pallas_guard import _internals
+
+    if _internals.batching_rule_of_our_own() is None:
+        pytest.skip("jax 0.7 drops a custom_vmap call whose result is unused: it cannot batch the comparison")
+    guard("interpret", checks="agree", device="tpu-v5e")
+    call = _rows(transcendental, rows=8)
+    xs = jnp.stack([_x(rows=8), _x(rows=8) * 2])
+    out = jax.vmap(jax.jit(call))(xs)
+    assert np.asarray(out).tobytes() == _unchecked(jax.vmap(jax.jit(call)), xs)
+    notes = pallas_guard.decisions()[-1].notes
+    assert "agree: not checked: called under jax.vmap (batched after the guard traced it)" in notes
