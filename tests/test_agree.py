@@ -186,7 +186,7 @@ def test_under_vmap_of_a_kernel_without_operands_the_comparison_is_not_traced(gu
         o_ref[...] = jnp.full_like(o_ref, pl.num_programs(0))
 
     call = pl.pallas_call(programs, grid=(8,), out_specs=pl.BlockSpec((8, 128), lambda i: (0, 0)), out_shape=shape)
-    out = jax.jit(lambda: jax.vmap(call, axis_size=2)())()
+    out = jax.jit(jax.vmap(call, axis_size=2))()
     np.testing.assert_array_equal(out, np.full((2, 8, 128), 8))
     notes = pallas_guard.decisions()[-1].notes
     assert any(note.startswith("agree: not checked: called under a transformation other than jit") for note in notes)
