@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -186,6 +187,56 @@ def test_a_kernel_that_races_for_certain_is_decided_while_tracing_with_one_check
     params, checked, instrumented = _instrumented("read_before_wait.overlapping_rows")
     assert [p.kind for p in instrumented.points] == [1]  # the read, against the one DMA in flight
     assert len(checked["jaxpr"].invars) == len(params["jaxpr"].invars)
+
+
+def _read_at(offset: int) -> tuple[Any, tuple[Any, ...]]:
+    """A kernel that reads 8 rows of its scratch buffer at ``offset`` (a scalar-prefetch operand)
+    while a DMA into rows 0-7 is in flight: a race for offsets 1-7, none from 8 on."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+
+    rows = race_corpus.R
+
+    def kernel(offset_ref, x_hbm, o_ref, buf, sem):  # type: ignore[no-untyped-def]
+        buf[pl.ds(rows, rows)] = jnp.full((rows, 128), 2.0, jnp.float32)
+        copy = pltpu.make_async_copy(x_hbm, buf.at[pl.ds(0, rows)], sem)
+        copy.start()
+        o_ref[...] = buf[pl.ds(offset_ref[0], rows)]
+        copy.wait()
+
+    spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=1,
+        grid=(1,),
+        in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+        out_specs=pl.BlockSpec((rows, 128), lambda i, offset: (0, 0)),
+        scratch_shapes=[pltpu.VMEM((2 * rows, 128), jnp.float32), pltpu.SemaphoreType.DMA],
+    )
+    call = pl.pallas_call(kernel, grid_spec=spec, out_shape=jax.ShapeDtypeStruct((rows, 128), jnp.float32))
+    return call, (np.array([offset], np.int32), np.ones((rows, 128), np.float32))
+
+
+def test_a_read_whose_overlap_with_the_dma_in_flight_is_traced_gets_one_check_of_its_index(
+    guarded: Callable[..., None],
+) -> None:
+    call, args = _read_at(8)
+    [eqn] = [e for e in jax.make_jaxpr(call)(*args).jaxpr.eqns if e.primitive.name == "pallas_call"]
+    params = _internals.private_params(dict(eqn.params))
+    instrumented = _dma_races.Instrumented()
+    checked = _dma_races.instrument(params, instrumented)
+    assert [p.kind for p in instrumented.points] == [1]  # decided while tracing: no table
+    assert len(checked["jaxpr"].invars) == len(params["jaxpr"].invars)
+    guarded(checks="none")
+    unchecked = np.asarray(call(*args)).tobytes()
+    guarded(checks="races")
+    for jit in (False, True):
+        out = jax.block_until_ready((jax.jit(call) if jit else call)(*args))
+        assert np.asarray(out).tobytes() == unchecked  # rows 8-15: disjoint, no finding
+        call_racing, racing_args = _read_at(4)
+        with pytest.raises(PallasGuardError) as info:
+            jax.block_until_ready((jax.jit(call_racing) if jit else call_racing)(*racing_args))
+        text = str(info.value)
+        assert text.startswith("pallas_guard: a race (read of a DMA's destination before its wait)")
+        assert "both touch `buf`[4:8, 0:128] at grid step (0,)" in text
 
 
 @pytest.mark.parametrize("name", ["valid.cross_step_prefetch", "valid.double_buffer_fori"])
