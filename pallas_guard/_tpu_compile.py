@@ -253,6 +253,10 @@ def _first_start() -> bool:
 _NOT_THE_KERNELS = ("Unsupported TPU device kind", "AbstractDevice")
 """Words of lowering errors that say the TPU device did not reach the lowering."""
 
+_IN_A_MESH = "Received incompatible devices for jitted computation"
+"""jit's words for operands placed on the TPU topology while a mesh of this host's devices is in
+force (``jax.set_mesh``): where the check is, not the kernel."""
+
 
 def compile_kernel(
     build: Callable[[], Callable[..., Any]], args: tuple[Any, ...], kwargs: dict[str, Any], generation: str
@@ -283,6 +287,9 @@ def compile_kernel(
         message = first_line(error)
         if any(words in message for words in _NOT_THE_KERNELS):
             return Outcome(generation, None, smem_limit=smem_limit, seconds=seconds, unchecked=message)
+        if _IN_A_MESH in message:
+            why = "called under a mesh of this host's devices (jax.set_mesh), where the check cannot place it on a TPU"
+            return Outcome(generation, None, smem_limit=smem_limit, seconds=seconds, unchecked=why)
         return Outcome(generation, "lower", error, message, smem_limit=smem_limit, seconds=seconds)
     cache = _verdict_file(lowered, generation)
     known = _read_verdict(cache)

@@ -279,3 +279,34 @@ def test_a_kernel_without_inputs_is_compiled_for_the_tpu(guard: Any) -> None:
     jax.jit(kernel(lambda i, j: (j,))).lower()
     note = [n for d in pallas_guard.decisions() for n in d.notes if n.startswith("compile:")][-1]
     assert note.startswith("compile: compiles for tpu-v5e: VMEM 10.0 MiB of 16.0 MiB"), note
+
+
+@needs_libtpu
+def test_under_a_mesh_of_this_hosts_devices_the_kernel_runs_and_the_note_says_the_check_could_not_place_it(
+    guard: Any,
+) -> None:
+    # `jax.set_mesh` puts the CPU's devices in force: jit refuses operands placed on the TPU topology
+    # there, which is the check's place, not a refusal of the kernel (JAX's test_shard_map_check_vma).
+    if not hasattr(jax, "set_mesh") or not hasattr(jax, "shard_map"):
+        pytest.skip("this jax has no jax.set_mesh / jax.shard_map")
+    from jax.sharding import PartitionSpec as P
+
+    guard("interpret", checks="compile", device="tpu-v5e")
+    mesh = jax.make_mesh((1,), ("x",))
+    with jax.set_mesh(mesh):
+        x = jax.device_put(jnp.arange(8 * 128, dtype=jnp.float32).reshape(8, 128), jax.NamedSharding(mesh, P("x")))
+        inner = jax.shard_map(
+            lambda x: pl.pallas_call(add_one, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype))(x),
+            mesh=mesh,
+            in_specs=P("x"),
+            out_specs=P("x"),
+            check_vma=False,
+        )
+        out = jax.jit(inner)(x)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(x) + 1)
+    [decision] = pallas_guard.decisions()
+    assert decision.action == "interpreted"
+    assert decision.notes == (
+        "compile: not checked for tpu-v5e: called under a mesh of this host's devices (jax.set_mesh), "
+        "where the check cannot place it on a TPU",
+    )
