@@ -4,8 +4,11 @@ JAX's plain interpreter copies a DMA's data when the DMA starts and treats its w
 count, so a kernel that reads a buffer while a DMA into it is still in flight returns the right
 answer on a CPU and a wrong one on a TPU. TPU interpret mode finds such races by simulating every
 DMA on the host, at tens of milliseconds a grid step. This check finds them at the plain
-interpreter's speed: before the kernel is interpreted, its jaxpr is traced again (``instrument``)
-with one more scratch buffer, the **table** of the DMAs in flight (``SLOTS`` rows of int32 fields:
+interpreter's speed. Where a kernel's DMAs in flight do not depend on its values (started and
+waited within a grid step or loop iteration), they are decided while tracing (``_Decided``): only
+an access whose overlap with a DMA in flight depends on traced indices gets a check, and a kernel
+with none is left as it is. Otherwise, before the kernel is interpreted, its jaxpr is traced again
+(``instrument``) with one more scratch buffer, the **table** of the DMAs in flight (``SLOTS`` rows of int32 fields:
 state, start order, semaphore, bytes, destination and source buffer and box), which the plain
 interpreter carries from grid step to grid step like any scratch buffer. Around each DMA start and
 wait, and before each access to a buffer some DMA of the kernel touches, the traced kernel reads
@@ -192,8 +195,10 @@ class _Viewed:
 
 
 def instrument(params: dict[str, Any], instrumented: Instrumented) -> dict[str, Any]:
-    """``params`` of a ``pallas_call`` whose kernel carries the table as one more scratch operand and
-    checks every DMA and every access to a buffer a DMA touches. Raises :class:`Unsupported`."""
+    """``params`` of a ``pallas_call`` whose kernel checks every DMA and every access to a buffer a
+    DMA touches: decided while tracing where it can be (``_Decided``; ``params`` themselves where
+    nothing needs a check), else with the table as one more scratch operand. Raises
+    :class:`Unsupported`."""
     import jax
 
     jaxpr = params["jaxpr"]
@@ -227,7 +232,9 @@ def instrument(params: dict[str, Any], instrumented: Instrumented) -> dict[str, 
         evaluator = _Decided(instrumented, involved, ref_type, hoisted_ids)
         try:
             new_jaxpr = _trace_instrumented(jaxpr, grid_mapping, evaluator, kept=[], hoisted=hoisted, table_aval=None)
-        except _Undecided:
+        except (Unsupported, MemoryError, RecursionError):
+            raise
+        except Exception:  # _Undecided, or a kernel this way fails on: the table follows it instead
             del instrumented.points[:], instrumented.sites[:]
         else:
             if not instrumented.points:  # no DMA in flight where the kernel touches its buffers
