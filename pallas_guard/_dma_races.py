@@ -609,47 +609,68 @@ class _Evaluator:
     def _buffer(self, key: Any) -> int:
         return self.buffer_ids[key]
 
-    def _box(self, key: Any, ref: Any, transforms: Sequence[Any]) -> list[tuple[Any, Any]]:
-        """(first, end) per followed dimension of the buffer, the region an access touches."""
+    def _region(self, key: Any, transforms: Sequence[Any]) -> tuple[tuple[Any, int], ...]:
+        """(first, length) per followed dimension of the region an access or DMA touches, each first
+        as the kernel gave it (an int, or its traced value: the same index is the same object). A
+        strided slice counts its span; an index array, a bitcast or a reshape the whole dimension."""
         from . import _bounds
 
         shape = self.instrumented.buffers[self._buffer(key)].shape
         indexer_class = _internals.nd_indexer_class()
         indexers = [t for t in transforms if indexer_class is not None and isinstance(t, indexer_class)]
-        whole = [(0, n) for n in shape]
-        ranges = _bounds.compose(indexers) if indexers and len(indexers) == len(transforms) else None
-        if not transforms:
-            box = whole
-        elif ranges is None:
-            box = whole
-            if indexers and len(indexers) == len(transforms):
-                box = self._gather_box(indexers[0], shape)
-        else:
-            box = []
-            for offset, stride, size in ranges:
-                first = _bounds.as_index(offset)
-                if size is None:
-                    box.append((first, _bounds.plus(first, 1)))
-                else:
-                    box.append((first, _bounds.plus(first, stride * (size - 1) + 1 if size else 0)))
-        box = box[:DIMS]
-        return box + [(0, 1)] * (DIMS - len(box))
+        region: list[tuple[Any, int]] = [(0, n) for n in shape]
+        ranges = _bounds.compose(indexers) if len(indexers) > 1 and len(indexers) == len(transforms) else None
+        if ranges is not None:
+            region = [
+                (offset, 1 if size is None else stride * (size - 1) + 1 if size else 0)
+                for offset, stride, size in ranges
+            ]
+        elif indexers and len(indexers) == len(transforms):
+            region = self._indexed(indexers[0], shape)
+        region = region[:DIMS]
+        return tuple(region + [(0, 1)] * (DIMS - len(region)))
 
-    def _gather_box(self, indexer: Any, shape: tuple[int, ...]) -> list[tuple[Any, Any]]:
+    @staticmethod
+    def _static(index: Any) -> Any:
+        """An index as an int where it is one, else as the kernel's traced value (of any integer
+        type: the same index is then the same object)."""
+        import numpy as np
+
+        return int(index) if isinstance(index, int | np.integer) and not isinstance(index, bool) else index
+
+    def _indexed(self, indexer: Any, shape: tuple[int, ...]) -> list[tuple[Any, int]]:
+        slice_class = _internals.slice_class()
+        region: list[tuple[Any, int]] = []
+        for index, n in zip(indexer.indices, shape, strict=False):
+            size, stride = getattr(index, "size", None), getattr(index, "stride", 1)
+            is_slice = slice_class is not None and isinstance(index, slice_class)
+            if is_slice and isinstance(size, int):
+                region.append((self._static(index.start), stride * (size - 1) + 1 if size else 0))
+            elif not is_slice and getattr(index, "shape", ()) == ():
+                region.append((self._static(index), 1))
+            else:
+                region.append((0, n))
+        return region
+
+    def _box(self, key: Any, transforms: Sequence[Any]) -> list[tuple[Any, Any]]:
+        """(first, end) per followed dimension: the region as the table holds it."""
+        return _ends(self._region(key, transforms))
+
+    @staticmethod
+    def _accessed(eqn: Any, values: list[Any], how: _internals.RefAccess) -> tuple[Any, ...] | None:
+        """The transforms through which an access reaches its ref (None: this jax does not say)."""
+        import jax
+
         from . import _bounds
 
-        slice_class = _internals.slice_class()
-        box: list[tuple[Any, Any]] = []
-        for index, n in zip(indexer.indices, shape, strict=False):
-            if slice_class is not None and isinstance(index, slice_class) and isinstance(index.size, int):
-                first = _bounds.as_index(index.start)
-                box.append((first, _bounds.plus(first, getattr(index, "stride", 1) * max(index.size - 1, 0) + 1)))
-            elif getattr(index, "shape", None) == ():
-                first = _bounds.as_index(index)
-                box.append((first, _bounds.plus(first, 1)))
-            else:
-                box.append((0, n))
-        return box
+        tree = eqn.params.get(how.tree_param)
+        if tree is None:
+            return None
+        if how.leading:
+            operands: tuple[Any, ...] = (values[0], jax.tree_util.tree_unflatten(tree, values[how.leading :]))
+        else:
+            operands = tuple(jax.tree_util.tree_unflatten(tree, values))
+        return tuple(next((t for role, _, t in _bounds.indexed(operands) if role == 0), ()))
 
     def _load(self) -> Any:
         return self.table[...]
@@ -756,21 +777,13 @@ class _Evaluator:
         return hit
 
     def access(self, eqn: Any, values: list[Any], key_of: dict[Any, Any], how: _internals.RefAccess) -> None:
-        import jax
         from jax import lax
 
-        from . import _bounds
-
         key = key_of[eqn.invars[0]]
-        tree = eqn.params.get(how.tree_param)
-        if tree is None:
+        transforms = self._accessed(eqn, values, how)
+        if transforms is None:
             return
-        if how.leading:
-            operands: tuple[Any, ...] = (values[0], jax.tree_util.tree_unflatten(tree, values[how.leading :]))
-        else:
-            operands = tuple(jax.tree_util.tree_unflatten(tree, values))
-        transforms = next((t for role, _, t in _bounds.indexed(operands) if role == 0), ())
-        box = self._box(key, values[0], transforms)
+        box = self._box(key, transforms)
         buffer = self._buffer(key)
         site = self.instrumented.site(eqn)
         write = how.kind == "write"
@@ -799,7 +812,7 @@ class _Evaluator:
         buffer = self._buffer(key)
         shape = self.instrumented.buffers[buffer].shape
         index: Any = 0
-        box = self._box(key, traced.ref, tuple(traced.transforms))
+        box = self._box(key, tuple(traced.transforms))
         stride = 1
         for d in reversed(range(min(len(shape), DIMS))):
             index = _bounds.plus(index, _bounds.times(box[d][0], stride))
@@ -814,8 +827,8 @@ class _Evaluator:
         if src_key is None or dst_key is None:
             raise Unsupported("a DMA between buffers the check cannot place")
         src, dst = self._buffer(src_key), self._buffer(dst_key)
-        src_box = self._box(src_key, traced[0].ref, tuple(traced[0].transforms))
-        dst_box = self._box(dst_key, traced[1].ref, tuple(traced[1].transforms))
+        src_box = self._box(src_key, tuple(traced[0].transforms))
+        dst_box = self._box(dst_key, tuple(traced[1].transforms))
         site = self.instrumented.site(eqn)
         table = self._load()
         rows = _rows(table)
@@ -891,7 +904,7 @@ class _Evaluator:
         if key is None:
             raise Unsupported("a DMA wait whose buffer the check cannot place")
         buffer = self._buffer(key)
-        box = self._box(key, traced[1].ref, tuple(traced[1].transforms))
+        box = self._box(key, tuple(traced[1].transforms))
         from jax import lax
 
         return self._record(table, lax.broadcast(stuck, (SLOTS,)), 7, (site, buffer, box, None))
@@ -937,47 +950,6 @@ class _Decided(_Evaluator):
         if self.rows:
             raise _Undecided  # a DMA crosses the grid step (or a kernel leaves one in flight)
 
-    def _region(self, key: Any, transforms: Sequence[Any]) -> tuple[tuple[Any, int], ...]:
-        """(first, length) per followed dimension of the region an access or DMA touches: the table's
-        box (``_box``), each first as the kernel gave it, so that the same index is seen as such."""
-        from . import _bounds
-
-        shape = self.instrumented.buffers[self._buffer(key)].shape
-        indexer_class = _internals.nd_indexer_class()
-        indexers = [t for t in transforms if indexer_class is not None and isinstance(t, indexer_class)]
-        region: list[tuple[Any, int]] = [(0, n) for n in shape]
-        ranges = _bounds.compose(indexers) if len(indexers) > 1 and len(indexers) == len(transforms) else None
-        if ranges is not None:
-            region = [
-                (offset, 1 if size is None else stride * (size - 1) + 1 if size else 0)
-                for offset, stride, size in ranges
-            ]
-        elif indexers and len(indexers) == len(transforms):
-            region = self._indexed(indexers[0], shape)
-        region = region[:DIMS]
-        return tuple(region + [(0, 1)] * (DIMS - len(region)))
-
-    @staticmethod
-    def _static(index: Any) -> Any:
-        """An index as an int where it is one, else as the kernel's traced value (of any integer
-        type: the same index is then the same object)."""
-        import numpy as np
-
-        return int(index) if isinstance(index, int | np.integer) and not isinstance(index, bool) else index
-
-    def _indexed(self, indexer: Any, shape: tuple[int, ...]) -> list[tuple[Any, int]]:
-        slice_class = _internals.slice_class()
-        region: list[tuple[Any, int]] = []
-        for index, n in zip(indexer.indices, shape, strict=False):
-            size, stride = getattr(index, "size", None), getattr(index, "stride", 1)
-            if slice_class is not None and isinstance(index, slice_class) and isinstance(size, int):
-                region.append((self._static(index.start), stride * (size - 1) + 1 if size else 0))
-            elif getattr(index, "shape", ()) == ():
-                region.append((self._static(index), 1))
-            else:
-                region.append((0, n))
-        return region
-
     def _overlap(self, buffer: int, a: tuple[tuple[Any, int], ...], b: tuple[tuple[Any, int], ...]) -> Any:
         """Whether two regions of ``buffer`` overlap: True, False or a traced bool."""
         from jax import lax
@@ -1006,7 +978,7 @@ class _Decided(_Evaluator):
 
         from . import _bounds
 
-        box = [(_int32(first), _bounds.plus(_int32(first), length)) for first, length in region]
+        box = _ends(region)
         template = [tuple(v if isinstance(v, int) else None for v in pair) for pair in box]
         traced = [v for pair in box for v in pair if not isinstance(v, int)]
         self.instrumented.points.append(Point(kind, site, buffer, template, against))  # type: ignore[arg-type]
@@ -1022,8 +994,8 @@ class _Decided(_Evaluator):
                 row.site,
             )
             for field, row_box in ((_DST_BOX, row.dst_box), (_SRC_BOX, row.src_box)):
-                for d, (first, length) in enumerate(row_box):
-                    fields[field + 2 * d], fields[field + 2 * d + 1] = first, _bounds.plus(_int32(first), length)
+                for d, (first, end) in enumerate(_ends(row_box)):
+                    fields[field + 2 * d], fields[field + 2 * d + 1] = first, end
         values = [*recorded, *fields, *self.step_ids]
         vector = lax.concatenate([lax.broadcast(_i32(v), (1,)) for v in values], 0)
         ok = lax.full((), False, "bool") if hit is True else lax.bitwise_not(hit)
@@ -1041,18 +1013,9 @@ class _Decided(_Evaluator):
                         self._check(hit, kind, site=site, buffer=buffer, region=region, row=row, against=_DST_BOX)
 
     def access(self, eqn: Any, values: list[Any], key_of: dict[Any, Any], how: _internals.RefAccess) -> None:
-        import jax
-
-        from . import _bounds
-
-        tree = eqn.params.get(how.tree_param)
-        if tree is None or not self.rows:
+        transforms = self._accessed(eqn, values, how) if self.rows else None
+        if transforms is None:
             return
-        if how.leading:
-            operands: tuple[Any, ...] = (values[0], jax.tree_util.tree_unflatten(tree, values[how.leading :]))
-        else:
-            operands = tuple(jax.tree_util.tree_unflatten(tree, values))
-        transforms = next((t for role, _, t in _bounds.indexed(operands) if role == 0), ())
         key = key_of[eqn.invars[0]]
         buffer, region = self._buffer(key), self._region(key, transforms)
         write = how.kind == "write"
@@ -1154,9 +1117,11 @@ def _i32(value: Any) -> Any:
     return value if getattr(value, "dtype", None) == np.int32 else lax.convert_element_type(value, np.int32)
 
 
-def _int32(value: Any) -> Any:
-    """An int as itself, a traced index as int32."""
-    return value if isinstance(value, int) else _i32(value)
+def _ends(region: Sequence[tuple[Any, int]]) -> list[tuple[Any, Any]]:
+    """(first, end) of each (first, length), an index as int or int32."""
+    from . import _bounds
+
+    return [(_bounds.as_index(first), _bounds.plus(_bounds.as_index(first), length)) for first, length in region]
 
 
 def _true() -> Any:
