@@ -13,7 +13,7 @@ nothing else:
 - :func:`activate`, called by the ``.pth`` line (Python < 3.15), by the PEP 829 ``.start`` entry
   point (Python >= 3.15, where ``.pth`` import lines stop running) and by a ``sitecustomize``. When
   the guard is wanted and every variable is valid, it registers a post-import hook that imports
-  ``pallas_guard`` (which installs the guard) when ``jax.experimental.pallas`` is imported. A bad
+  ``pallas_guard`` (which installs the guard) when ``jax.pallas`` or ``jax.experimental.pallas`` is imported. A bad
   value prints one line and still installs the guard, whose first kernel raises the error (never a
   silently unguarded process); an explicit ``import pallas_guard`` raises it at once.
 """
@@ -43,9 +43,13 @@ FAST_PLAIN_ENV = "PALLAS_GUARD_FAST_PLAIN"
 """``off``: the plain interpreter exactly as JAX ships it (the way back from the guard's fast path)."""
 DEVICE_ENV = "PALLAS_GUARD_DEVICE"
 """The TPU/GPU that host code asking "which accelerator am I on?" is told, where the guard interprets."""
+REQUIRE_CHECKS_ENV = "PALLAS_GUARD_REQUIRE_CHECKS"
+"""``1``: a check asked for that cannot run on a kernel fails that kernel's call instead of noting it (for CI)."""
 PALLAS_INTERPRET_ENV = "PALLAS_INTERPRET"
 """Read by other Pallas projects: truthy means policy ``interpret`` when ``PALLAS_GUARD_POLICY`` is unset."""
-PALLAS_MODULE = "jax.experimental.pallas"
+PALLAS_MODULES = ("jax.pallas", "jax.experimental.pallas")
+"""Pallas's public faces: ``jax.pallas`` (jax >= 0.12.1, the preferred import) and ``jax.experimental.pallas``;
+importing either loads the guard."""
 
 
 class PallasGuardConfigError(ValueError):
@@ -378,6 +382,24 @@ OPTIONS = {
             ),
         ),
         Option(
+            "require_checks",
+            REQUIRE_CHECKS_ENV,
+            "boolean",
+            _boolean,
+            ", ".join(sorted(_TRUE)) + " / " + ", ".join(sorted(_FALSE)),
+            False,
+            "a check asked for that cannot run on a kernel (libtpu missing or not the version this jax pins, a "
+            "context the check does not cover) fails that kernel's call with a PallasGuardError naming the check, "
+            "the kernel and why, instead of a note on its decision; recommended for CI",
+            word_of=_word_of_bool,
+            also=" or bool",
+            meanings={
+                "on": "a check that cannot run on a kernel fails its call",
+                "off": "a check that cannot run on a kernel is a note on its decision",
+            },
+            vocabulary=_BOOLEAN_WORDS,
+        ),
+        Option(
             "fast_plain",
             FAST_PLAIN_ENV,
             "boolean",
@@ -439,6 +461,39 @@ def read_environment(environ: "Mapping[str, str] | None" = None) -> "dict[str, t
         if setting is not None:
             found[name] = setting
     return found
+
+
+_PREFIXES = ("PALLAS_GUARD_", "PALLAS_INTERPRET")
+
+
+def unknown_variables(environ: "Mapping[str, str] | None" = None) -> "list[str]":
+    """One sentence per ``PALLAS_GUARD_*``/``PALLAS_INTERPRET*`` variable set here that pallas_guard
+    does not read (a misspelling reads as "nothing set": the guard off, a check never run), naming the
+    closest variable it does read."""
+    environ = os.environ if environ is None else environ
+    found = [name for name in environ if name.startswith(_PREFIXES)]  # cheap: no match, no more work
+    if not found:
+        return []
+    known = [variable for option in OPTIONS.values() for variable in option.variables()]
+    sentences = []
+    for name in sorted(set(found) - set(known)):
+        near = closest(name, known)
+        hint = f"; did you mean {near}?" if near else f"; the variables it reads: {', '.join(known)}"
+        sentences.append(f"{name} is not a pallas_guard variable and is ignored{hint}")
+    return sentences
+
+
+_UNKNOWN_REPORTED = "_pallas_guard_unknown_variables"  # on sys: once per process, whoever reports it
+
+
+def report_unknown_variables() -> None:
+    """Print one line per unknown variable (once per process): a warning on stderr, never a Python
+    warning, which a ``-W error`` process would turn into a crash of a run the guard is not in."""
+    sentences = unknown_variables()
+    if sentences and getattr(sys, _UNKNOWN_REPORTED, None) != sentences:
+        setattr(sys, _UNKNOWN_REPORTED, sentences)
+        for sentence in sentences:
+            sys.stderr.write(f"pallas_guard: warning: {sentence}\n")
 
 
 def guard_wanted(environ: "Mapping[str, str] | None" = None) -> bool:
@@ -557,14 +612,21 @@ def report_startup_error(error: BaseException) -> None:
 
 
 def _load_guard(module: "ModuleType") -> None:
-    """Post-import callback for jax.experimental.pallas: ``import pallas_guard`` installs the guard."""
+    """Post-import callback for Pallas's public modules: ``import pallas_guard`` installs the guard.
+
+    The policy variable is set (else no hook): the guard arms, or the import says why it cannot,
+    never a process that runs on with the guard silently off."""
     del module
     global loading  # noqa: PLW0603
     loading = True
     try:
         import pallas_guard  # noqa: F401
-    except Exception as error:  # the user's `import jax.experimental.pallas` must not fail because of us
-        sys.stderr.write(f"pallas_guard: could not be imported, the guard is off: {type(error).__name__}: {error}\n")
+    except Exception as error:
+        if type(error).__name__ != "PallasGuardError":  # that one says all there is to say
+            sys.stderr.write(
+                f"pallas_guard: could not be imported, the guard is off: {type(error).__name__}: {error}\n"
+            )
+        raise
     finally:
         loading = False
 
@@ -576,11 +638,15 @@ def activate() -> None:
     installs the guard, whose first kernel raises the error, naming the variable.
     """
     global activated  # noqa: PLW0603
-    if activated or not guard_wanted():
+    if activated:
+        return
+    report_unknown_variables()  # a misspelled policy variable must not read as "no guard wanted"
+    if not guard_wanted():
         return
     try:
         read_environment()
     except (ValueError, TypeError) as error:
         report_startup_error(error)
     activated = True
-    finder().register(PALLAS_MODULE, _load_guard)
+    for name in PALLAS_MODULES:
+        finder().register(name, _load_guard)

@@ -78,6 +78,8 @@ class _Session:
         """The call phase's duration of each test, as pytest measured it (``report.duration``)."""
         self.over_budget = "fail"
         self._seen = 0
+        self.armed: list[dict[str, Any]] = []
+        """Each process's armed state at the end (this one, and every xdist worker's)."""
 
     # --- activation ------------------------------------------------------------------------------
 
@@ -235,13 +237,32 @@ def pytest_configure(config: pytest.Config) -> None:
         config.pluginmanager.register(_XdistController(), "pallas_guard_xdist")
 
 
+def unknown_settings(config: pytest.Config) -> list[str]:
+    """The variables and ini keys that look like pallas_guard's but are not (a misspelling would
+    otherwise read as "nothing set"), each with the closest known name."""
+    known = [option.ini for option in OPTIONS.values()] + ["pallas_guard_over_budget"]
+    sentences = list(pallas_guard_autoload.unknown_variables())
+    # pytest's own list of the ini keys no plugin declared (it warns "Unknown config option" too);
+    # private, so read where it exists (pytest 7 to 9) and skipped where it does not.
+    unknown_keys: list[str] = getattr(config, "_get_unknown_ini_keys", list)()
+    for key in sorted(k for k in unknown_keys if str(k).startswith("pallas_guard")):
+        near = pallas_guard_autoload.closest(str(key), known)
+        hint = f"; did you mean {near}?" if near else ""
+        sentences.append(
+            f"{key} in {config.inipath.name if config.inipath else 'ini'} is not a pallas_guard setting{hint}"
+        )
+    return sentences
+
+
 def pytest_report_header(config: pytest.Config) -> str | list[str]:
     session = config.stash[_KEY]
+    unknown = [printable(f"pallas_guard: warning: {sentence}") for sentence in unknown_settings(config)]
     if not session.active:
-        return (
+        return [
             "pallas_guard: inactive (give a policy with --pallas-guard-policy, the pallas_guard_policy ini "
-            f"setting or {POLICY_ENV})"
-        )
+            f"setting or {POLICY_ENV})",
+            *unknown,
+        ]
     from pallas_guard import _settings, _target
 
     target = _target.detect()
@@ -250,14 +271,20 @@ def pytest_report_header(config: pytest.Config) -> str | list[str]:
     for name, option in OPTIONS.items():
         setting = _settings.current(name)
         settings.append(f"{name.replace('_', ' ')} {option.word(setting.value)} (from {setting.source})")
+    from pallas_guard import _install
+
+    armed = _install.arm()  # found by arming, as the tests' import of Pallas would
     lines = [
         printable(f"pallas_guard: {', '.join(settings)}, target {where} ({'; '.join(target.evidence)})"),
-        f"pallas_guard: Pallas kernels here will {_outcome().text}",
+        printable(f"pallas_guard: {armed.text}"),
+        f"pallas_guard: Pallas kernels here will {_outcome().text}"
+        if armed.armed
+        else "pallas_guard: Pallas kernels here will NOT run interpreted: the guard is not armed (above)",
     ]
     from pallas_guard._cli import installation_notices  # the same notices as doctor's
 
     lines.extend(f"pallas_guard: notice: {printable(notice)}" for notice in installation_notices())
-    return lines
+    return lines + unknown
 
 
 # --- the marker -----------------------------------------------------------------------------------
@@ -464,10 +491,15 @@ class _Durations:
 def pytest_sessionfinish(session: pytest.Session) -> None:
     state = session.config.stash[_KEY]
     state.take(OUTSIDE_TESTS)
+    if state.active and any(name in sys.modules for name in pallas_guard_autoload.PALLAS_MODULES):
+        from pallas_guard import _install  # Pallas was imported here: the guard armed, or says why not
+
+        state.armed.append(_install.arm()._asdict())
     workeroutput = getattr(session.config, "workeroutput", None)
     if workeroutput is not None:  # a pytest-xdist worker: hand the rows to the controller
         workeroutput[_WORKER_KEY] = state.rows
         workeroutput["pallas_guard_active"] = state.active
+        workeroutput["pallas_guard_armed"] = state.armed
 
 
 class _XdistController:
@@ -481,6 +513,17 @@ class _XdistController:
         state = node.config.stash[_KEY]
         state.rows.extend(output.get(_WORKER_KEY, ()))
         state.active = state.active or bool(output.get("pallas_guard_active"))
+        state.armed.extend(output.get("pallas_guard_armed", ()))
+
+
+def armed_lines(states: list[dict[str, Any]]) -> list[str]:
+    """Whether the guard was armed in every process that imported Pallas: each distinct failure once."""
+    if not states:
+        return ["guard: no process of this run imported Pallas"]
+    unarmed = Counter(state["text"] for state in states if not state["armed"])
+    if not unarmed:
+        return [printable(f"guard armed in {len(states)} process(es) that imported Pallas: {states[0]['text']}")]
+    return [printable(f"guard {text} (in {count} of {len(states)} process(es))") for text, count in unarmed.items()]
 
 
 def summary_lines(rows: list[dict[str, Any]], *, details: bool) -> list[str]:
@@ -566,6 +609,8 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
     if not state.active and not state.rows:
         return
     terminalreporter.write_sep("=", "pallas_guard summary")
+    for line in armed_lines(state.armed):
+        terminalreporter.write_line(line)
     for line in summary_lines(state.rows, details=bool(config.getoption("pallas_guard_details"))):
         terminalreporter.write_line(line)
     count = config.getoption("pallas_guard_durations")

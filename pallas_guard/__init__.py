@@ -63,6 +63,7 @@ def policy(
     max_steps: int | str | None = None,
     device: str | Sequence[str] | None = None,
     fast_plain: bool | str | None = None,
+    require_checks: bool | str | None = None,
 ) -> _settings.AbstractContextManager[None]:
     """Override settings inside a ``with`` block; thread- and task-local.
 
@@ -72,7 +73,8 @@ def policy(
     ``device``: the TPU/GPU host code is told it runs on (``"tpu-v5e"``, ``"h100"``, ... or
     ``"none"``), or several (a comma list or a sequence: host code is told the first, each kernel
     family is lowered for the first of its platform, the compile check compiles for every TPU
-    generation listed). Bad values raise here,
+    generation listed); ``require_checks``: True makes a check asked for that cannot run on a
+    kernel fail its call instead of leaving a note. Bad values raise here,
     before the block. Settings apply where a kernel is called and lowered: a function jitted before
     the block keeps its executable (``jax.clear_caches()`` to re-trace).
     """
@@ -83,6 +85,7 @@ def policy(
         "max_steps": max_steps,
         "device": device,
         "fast_plain": fast_plain,
+        "require_checks": require_checks,
     }
     return _scope(_settings.given(given, call="policy", source="pallas_guard.policy() scope"))
 

@@ -106,7 +106,8 @@ class Agree(_checks.Check):
             # where it can be: under jit alone, with a grid of known size.
             why = _not_traceable(run, args, kwargs)
             if why is not None:
-                return _checks.Prepared(f"agree: not checked: {why}", settles=False)
+                note = _checks.unchecked(self.name, why, kernel=run.kernel.info, call_site=run.call_site)
+                return _checks.Prepared(note, settles=False)
             self._at_run_time.add(run)
             return _checks.Prepared(settles=False)
         outputs: dict[str, Any] = {}
@@ -266,7 +267,8 @@ def _unless_batched(run: Run, gate: Callable[[Any], Any], operands: Any) -> None
     gated: Any = batching_rule_of_our_own(gate)
 
     def batched(axis_size: int, in_batched: Any, operands: Any) -> tuple[Any, bool]:
-        note = "agree: not checked: called under jax.vmap (batched after the guard traced it)"
+        why = "called under jax.vmap (batched after the guard traced it)"
+        note = _checks.unchecked("agree", why, kernel=run.kernel.info, call_site=run.call_site)
         run.ledger.annotate(run.kernel.info, run.call_site, note)
         return np.bool_(False), False
 

@@ -201,7 +201,10 @@ def lower(
             private = _dma_races.instrument(private, races)
         except _dma_races.Unsupported as why:
             races = None
-            _diagnostics.unchecked(kernel, call_site, "races", why=str(why))
+            note = f"runs unchecked: races could not be checked: {why}"
+            _record.annotate(
+                kernel, call_site, _checks.unchecked("races", str(why), kernel=kernel, call_site=call_site, note=note)
+            )
         else:
             if not races.points:  # race-free whichever way it runs, decided while tracing
                 races = None
@@ -216,8 +219,10 @@ def lower(
         hook(hooks)
         if any(eqn.primitive.name == "run_state" for eqn in _internals.jaxpr_equations(params["jaxpr"])):
             # Its body is discharged apart from the kernel's accesses: a gap said, not hidden.
+            gap = "bounds does not check accesses in pl.run_state bodies"
+            note = f"runs partly unchecked: {gap}"
             _record.annotate(
-                kernel, call_site, "runs partly unchecked: bounds does not check accesses in pl.run_state bodies"
+                kernel, call_site, _checks.unchecked("bounds", gap, kernel=kernel, call_site=call_site, note=note)
             )
         state = _Checking(_blocks(params.get("grid_mapping")), params.get("grid_mapping"))
     source = _settings.stated("checks")

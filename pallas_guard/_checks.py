@@ -97,6 +97,30 @@ def at_front_door(names: frozenset[str]) -> bool:
     return any(check.at_front_door for check in in_force(names))
 
 
+def unchecked(check: str, why: str, *, kernel: KernelInfo, call_site: CallSite, note: str | None = None) -> str:
+    """A check asked for that cannot run on this kernel (``why``): the note its decision carries
+    (``note``, else ``<check>: not checked: <why>``); under ``require_checks``, raised instead as the
+    ``PallasGuardError`` its call fails with, so a green run never hides a check that did not run.
+
+    Only for a check that applies to the kernel and could not run; a check with nothing to say about
+    a kernel (the TPU's compiler on a Triton kernel) is a plain note."""
+    from pallas_guard_autoload import printable
+
+    from . import _settings
+
+    if not _settings.current("require_checks").value:
+        return note or f"{check}: not checked: {why}"
+    where = f", called at {call_site.user}" if call_site.user else ""
+    error = PallasGuardError(
+        f"pallas_guard: the {check} check cannot run on Pallas kernel {printable(kernel.name)} (built with "
+        f"{kernel.entry_point}{printable(where)}): {printable(why)}.\nA check that was asked for "
+        f"({_settings.stated('checks')}) and could not run fails the call because require_checks is on "
+        f"({_settings.stated('require_checks')}). To fix: remove the cause above, or leave {check} out of the "
+        "checks for this kernel."
+    )
+    raise found(check, error, kernel=kernel, call_site=call_site, why=f"the {check} check could not run")
+
+
 def found(
     check: str,
     error: PallasGuardError,
@@ -104,6 +128,7 @@ def found(
     kernel: KernelInfo,
     call_site: CallSite,
     interpreter: str | None = None,
+    why: str | None = None,
 ) -> PallasGuardError:
     """A finding of ``check``: recorded as a decision, returned for the caller to raise."""
     from . import _settings
@@ -120,6 +145,6 @@ def found(
         layer="front door",
         policy_source=policy.source,
         check=check,
-        why=f"found by the {check} check",
+        why=why or f"found by the {check} check",
     )
     return error

@@ -275,10 +275,15 @@ def collect() -> dict[str, Any]:
         problems.append("An NVIDIA GPU seems present but no CUDA plugin is installed: JAX falls back to the CPU.")
     report["jax_platforms_env"] = os.environ.get("JAX_PLATFORMS")
     report["jax"] = _jax_facts(problems)
-    status = _install.status()
-    report["guard_in_this_process"] = dataclasses.asdict(status)
-    if status.failure:
-        problems.append(f"The guard disabled itself after an internal error: {status.failure}")
+    problems.extend(pallas_guard_autoload.unknown_variables())
+    # Found by arming, as a user's import of Pallas would: never assumed from the settings.
+    armed = (
+        _install.arm() if report["jax"].get("installed") else _install.Armed(False, "not armed: jax is not installed")
+    )
+    report["armed"] = armed._asdict()
+    if report["jax"].get("installed") and not armed.armed:
+        problems.append(f"The guard is not armed in this process: {armed.text}")
+    report["guard_in_this_process"] = dataclasses.asdict(_install.status())
     report["notices"] = installation_notices() if report["jax"].get("installed") else []
     report["verdict"] = _verdict(report)
     report["problems"] = problems
@@ -356,6 +361,7 @@ def render(report: dict[str, Any]) -> str:
             else f"not installed ({', '.join(START_FILES)} not in this Python's site-packages)",
         )
     )
+    rows.append(("guard", report["armed"]["text"]))
     width = max(len(name) for name, _ in rows)
     lines = ["pallas-guard doctor", *(f"  {name:<{width}}  {value}" for name, value in rows)]
     lines.extend(f"  {line}" for line in accelerators["evidence"])

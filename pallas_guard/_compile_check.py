@@ -35,20 +35,28 @@ class Compile(_checks.Check):
         target = _lowering_check.target_for(run.kernel.facts.family, _settings.current("device").value)
         if isinstance(target, str) or target.platform != "tpu":
             return _checks.Prepared("compile: not checked: not a TPU kernel (the TPU's compiler judges TPU kernels)")
+
+        def unchecked(why: str) -> _checks.Prepared:
+            return _checks.Prepared(_checks.unchecked(self.name, why, kernel=run.kernel.info, call_site=run.call_site))
+
         if run.kernel.entry.runs_when_applied:
-            return _checks.Prepared(f"compile: not checked: {run.kernel.entry.label} runs when built")
+            return unchecked(f"{run.kernel.entry.label} runs when built")
         aborting = _aborting_memory_space(run.kernel.kwargs)
         if aborting is not None:
-            return _checks.Prepared(f"compile: not checked: libtpu aborts the process on {aborting} operands")
+            return unchecked(f"libtpu aborts the process on {aborting} operands")
         missing = _tpu_compile.available()
         if missing is not None:
-            return _checks.Prepared(f"compile: not checked: {missing}")
+            return unchecked(missing)
         compiled: dict[str, str] = {}  # generation -> its usage
         refused: dict[str, BaseException] = {}
         for generation in _generations(_settings.current("device").value):
             outcome = _tpu_compile.compile_kernel(run.kernel.build, args, kwargs, generation)
             if outcome.unchecked is not None:
-                return _checks.Prepared(f"compile: not checked for {generation}: {outcome.unchecked}")
+                why = f"for {generation}: {outcome.unchecked}"
+                note = f"compile: not checked {why}"
+                return _checks.Prepared(
+                    _checks.unchecked(self.name, why, kernel=run.kernel.info, call_site=run.call_site, note=note)
+                )
             if outcome.error is None:
                 compiled[generation] = usage(outcome)
             else:

@@ -13,7 +13,7 @@ from typing import Any, Literal, NamedTuple
 
 from pallas_guard_autoload import CHECKS_ENV, INTERPRETER_ENV, printable
 
-from . import _interpreters, _record
+from . import _interpreters
 from ._enums import Policy
 from ._errors import PallasGuardError, PallasGuardWarning
 from ._settings import Setting, current, how_to_set
@@ -518,10 +518,20 @@ def refusal_fix(error: BaseException) -> str | None:
     return None
 
 
-def unchecked(kernel: KernelInfo, call_site: CallSite, check: str, *, why: str) -> None:
-    """A check could not be applied to a kernel that runs without it: a note on its decision (never
-    a warning: a check asked for must not fail a ``filterwarnings = error`` suite)."""
-    _record.annotate(kernel, call_site, f"runs unchecked: {check} could not be checked: {why}")
+def not_armed(failure: str) -> str:
+    """The one message of a guard that could not arm: which part failed, on which jax, what to do."""
+    from . import _internals
+
+    policy = current("policy")
+    jax, jaxlib = _internals.jax_version(), _internals.jax_version("jaxlib")
+    return printable(
+        f"pallas_guard could not arm on jax {jax} (jaxlib {jaxlib}): "
+        f"{failure}. "
+        f"Pallas kernels in this process are not interpreted: each one that lowers for the CPU without "
+        f"interpret= is refused with this message (policy {policy.value.value} from {policy.source}). "
+        f"To fix: upgrade pallas_guard (pip install -U pallas_guard) or install a jax it supports "
+        f"({_internals.SUPPORTED}); to run without the guard, {how_to_set('policy', Policy.OFF, policy.source)}."
+    )
 
 
 def finding_in(error: BaseException) -> PallasGuardError | None:

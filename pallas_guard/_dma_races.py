@@ -293,7 +293,7 @@ def _operand_buffers(jaxpr: Any, grid_mapping: Any) -> list[Buffer]:
     first_block = grid_mapping.num_index_operands
     pipelined = set()
     for position, mapping in enumerate(grid_mapping.block_mappings):
-        space = str(getattr(getattr(mapping, "transformed_block_aval", None), "memory_space", "") or "").lower()
+        space = str(getattr(_internals.block_aval(mapping), "memory_space", "") or "").lower()
         if "any" not in space and "hbm" not in space:
             pipelined.add(first_block + position)
     buffers = []

@@ -315,8 +315,9 @@ class Run:
         """What ``check`` needs before the run, once per kernel identity and shapes (settled under
         a key of its own; a finding is raised at every call, nothing is settled for it)."""
         __tracebackhide__ = True
-        # The device setting picks the target a check lowers or compiles for: part of what it settles.
-        check_key = (*key, check.name, _settings.current("device").value)
+        # The device setting picks the target a check lowers or compiles for, and require_checks
+        # whether a check that cannot run fails the call: both part of what it settles.
+        check_key = (*key, check.name, _settings.current("device").value, _settings.current("require_checks").value)
         known = self.settled(check_key)
         if known is not None:
             return _checks.Prepared(known[1][0] if known[1] else None)

@@ -6,16 +6,19 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-PALLAS_MODULE = "jax.experimental.pallas"
-MOSAIC_GPU_MODULE = "jax.experimental.pallas.mosaic_gpu"
-TPU_MODULE = "jax.experimental.pallas.tpu"
+# Each public face of Pallas: ``jax.pallas`` (jax >= 0.12.1, the preferred import) and
+# ``jax.experimental.pallas`` (every version; from 0.12.1 an alias of ``jax.pallas``). A user may
+# import either alone, so each is a trigger and each binds the entry points under its own names.
+PALLAS_MODULES = ("jax.pallas", "jax.experimental.pallas")
+MOSAIC_GPU_MODULES = ("jax.pallas.mosaic_gpu", "jax.experimental.pallas.mosaic_gpu")
+TPU_MODULES = ("jax.pallas.tpu", "jax.experimental.pallas.tpu")
 
 
 class EntryPoint(NamedTuple):
     label: str
     """How diagnostics and records name it."""
-    module: str
-    """The public module whose attribute is wrapped (the defining module is wrapped too)."""
+    modules: tuple[str, ...]
+    """The public modules whose attribute is wrapped (the defining module is wrapped too)."""
     attribute: str
     body_parameter: str | None
     """The parameter holding the kernel body (first positional), or None (``core_map``)."""
@@ -44,13 +47,13 @@ class EntryPoint(NamedTuple):
         return self.label == "pallas_call" or self.body(args, kwargs) is not None
 
 
-PALLAS_CALL = EntryPoint("pallas_call", PALLAS_MODULE, "pallas_call", "kernel", None, False)
+PALLAS_CALL = EntryPoint("pallas_call", PALLAS_MODULES, "pallas_call", "kernel", None, False)
 ENTRY_POINTS = (
     PALLAS_CALL,
-    EntryPoint("pl.kernel", PALLAS_MODULE, "kernel", "body", "mesh", True),
+    EntryPoint("pl.kernel", PALLAS_MODULES, "kernel", "body", "mesh", True),
     # A module __getattr__ serves it from jax 0.11.2 (deprecated); only a plain attribute is wrapped.
-    EntryPoint("pl.core_map", PALLAS_MODULE, "core_map", None, "0", True, runs_when_applied=True),
-    EntryPoint("plgpu.kernel", MOSAIC_GPU_MODULE, "kernel", "body", None, True),
+    EntryPoint("pl.core_map", PALLAS_MODULES, "core_map", None, "0", True, runs_when_applied=True),
+    EntryPoint("plgpu.kernel", MOSAIC_GPU_MODULES, "kernel", "body", None, True),
 )
 BY_LABEL = {entry.label: entry for entry in ENTRY_POINTS}
 
@@ -60,13 +63,17 @@ class HostQuestion(NamedTuple):
     entry point is, its defining module too) to add which device setting answers it."""
 
     label: str
-    module: str
+    modules: tuple[str, ...]
     attribute: str
 
 
 # JAX's public GPU modules have no such function: its GPU kernels read the abstract device directly.
 HOST_QUESTIONS = (
-    HostQuestion("pltpu.get_tpu_info", TPU_MODULE, "get_tpu_info"),
-    HostQuestion("pltpu.create_tensorcore_mesh", TPU_MODULE, "create_tensorcore_mesh"),
+    HostQuestion("pltpu.get_tpu_info", TPU_MODULES, "get_tpu_info"),
+    HostQuestion("pltpu.create_tensorcore_mesh", TPU_MODULES, "create_tensorcore_mesh"),
 )
-MODULES = tuple(dict.fromkeys([*(entry.module for entry in ENTRY_POINTS), *(q.module for q in HOST_QUESTIONS)]))
+MODULES = tuple(
+    dict.fromkeys(
+        [*(m for entry in ENTRY_POINTS for m in entry.modules), *(m for q in HOST_QUESTIONS for m in q.modules)]
+    )
+)

@@ -3,19 +3,22 @@ owner of what is installed (:data:`installation`)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import importlib.util
 import os
 import sys
 import threading
 from collections.abc import Iterable, Sequence
 from types import ModuleType
-from typing import Any
+from typing import Any, NamedTuple
 
 import pallas_guard_autoload
 
 from . import _settings
 from ._entry_points import ENTRY_POINTS, HOST_QUESTIONS, MODULES, EntryPoint, HostQuestion
 from ._enums import Interpreter, Policy
+from ._errors import PallasGuardError
 from ._ledger import Ledger
 from ._patch import Patch
 
@@ -69,6 +72,8 @@ class Installation:
     def install(self, given: dict[str, _settings.Setting[Any]]) -> None:
         _settings.configure(given)  # raises on a bad value, before anything changes
         with self.lock:
+            if self.failure is not None:  # a retry: the rules that explained the failure go first
+                self._undo_locked()
             self.requested = True
             self.failure = None
             self.active = True
@@ -100,30 +105,70 @@ class Installation:
             )
 
     def _on_import(self, module: ModuleType) -> None:
-        """Post-import callback: patch the entry points of ``module``. Never raises into an import."""
+        """Post-import callback: arm the guard for ``module``. It arms, or says so at once: where a
+        part fails, everything is undone, each kernel that lowers for the CPU is refused with the
+        reason (never JAX's bare error), and with a policy set the import itself raises it."""
         with self.lock:
-            if not self.requested or self.failure is not None:
+            if not self.requested:
                 return
-            try:
+            if self.failure is None:
+                self._arm(module)
+            if self.failure is None:
+                return
+            message = self.failure_message()
+        if _settings.current_policy().source != "default":
+            raise PallasGuardError(message)
+        _report_once(message)
+
+    def _arm(self, module: ModuleType) -> None:
+        from . import _internals
+
+        part = f"wrapping the entry points of {module.__name__}"
+        try:
+            # JAX's own warnings while the guard looks it over (a deprecated name) are not the user's.
+            with _internals.probing():
                 for entry in ENTRY_POINTS:
-                    if entry.module == module.__name__:
+                    if module.__name__ in entry.modules:
                         self._wrap_entry_point(module, entry)
                 for question in HOST_QUESTIONS:
-                    if question.module == module.__name__:
+                    if module.__name__ in question.modules:
                         self._wrap_host_question(module, question)
+                part = "installing the CPU lowering net"
                 self._install_lowering_net()
                 from . import _device, _tpu_rules
 
+                part = "installing the TPU lowering rules"
                 _tpu_rules.install(self.hooks)
-
+                part = "presenting the device setting"
                 _device.apply()
-            except Exception as error:  # the user's import must not fail because of us
-                self.failure = f"{type(error).__name__}: {error}"
-                self._undo_locked()
-                sys.stderr.write(
-                    f"pallas_guard: disabled itself after an internal error while patching {module.__name__}: "
-                    f"{self.failure}\n"
-                )
+        except Exception as error:  # the user's import must not fail silently because of us
+            self.failure = f"{part} failed: {type(error).__name__}: {error}"
+            self._undo_locked()
+            self._explain_unarmed()
+
+    def failure_message(self) -> str:
+        """What the guard says where it could not arm: which part failed, on which jax, what to do."""
+        from . import _diagnostics
+
+        return _diagnostics.not_armed(self.failure or "")
+
+    def _explain_unarmed(self) -> None:
+        """Where arming failed, a CPU rule that refuses each kernel JAX would refuse anyway ("Only
+        interpret mode is supported on CPU backend") with the guard's reason. Best effort: where even
+        that cannot be registered, the import's error and the line on stderr remain."""
+        from . import _internals, _lowering
+
+        try:
+            with _internals.probing():
+                registry = _internals.lowering_registry()
+                primitives = (_internals.pallas_call_primitive(), _internals.mpmd_map_primitive())
+                for primitive in primitives:
+                    if registry is not None and primitive is not None:
+                        installed = _lowering.install_unarmed_rule(registry, primitive, self)
+                        if installed is not None:
+                            self.rules.append(installed)
+        except Exception:
+            pass
 
     def _undo_locked(self) -> None:
         self.active = False
@@ -145,7 +190,12 @@ class Installation:
         # vars(): an attribute served by a module __getattr__ (pl.core_map from jax 0.11.2, with its
         # deprecation warning) is not patched; the lowering net covers it.
         original = vars(module).get(attribute)
-        if original is None or _is_ours(original) or not callable(original):
+        if original is None or not callable(original):
+            return
+        if _is_ours(original):
+            # One public module binds what another already bound (jax.experimental.pallas takes
+            # jax.pallas's names, 0.12.1+): ours already, but put back here too on uninstall.
+            self._record_bound(module, attribute, original)
             return
         from ._frontdoor import wrap_entry_point
 
@@ -166,17 +216,29 @@ class Installation:
             if not _is_ours(original):
                 self._patch_function(module, attribute, original, wrap_host_question(original, question, self))
             return
-        if not _is_ours(original) and callable(original):
+        if _is_ours(original):
+            self._record_bound(module, question.attribute, original)
+        elif callable(original):
             self._patch_function(module, question.attribute, original, wrap_host_question(original, question, self))
 
+    def _record_bound(self, module: ModuleType, attribute: str, wrapper: Any) -> None:
+        """``module.attribute`` holds a wrapper of ours it took from another module: put it back too."""
+        if not any(patch.owner is module and patch.attribute == attribute for patch in self.patches):
+            self.patches.append(Patch(module, attribute, wrapper.__wrapped__, wrapper))
+
     def _patch_function(self, module: ModuleType, attribute: str, original: Any, wrapper: Any) -> None:
-        """``module.attribute`` (and the same function where it is defined) replaced by ``wrapper``."""
+        """``module.attribute`` (and the same function where it is defined) replaced by ``wrapper``;
+        where the defining module already holds our wrapper of that function (another public module
+        armed first: jax.pallas and jax.experimental.pallas), that one wrapper serves both."""
         owners = [module]
         # Also patch the defining module: JAX's own callers (and PallasTest) look the function up there.
         defining = sys.modules.get(getattr(original, "__module__", "") or "")
         defined_as = getattr(original, "__name__", attribute)
-        if defining is not None and defining is not module and vars(defining).get(defined_as) is original:
-            owners.append(defining)
+        there = vars(defining).get(defined_as) if defining is not None and defining is not module else None
+        if there is original:
+            owners.append(defining)  # type: ignore[arg-type]
+        elif there is not None and _is_ours(there) and there.__wrapped__ is original:
+            wrapper = there
         for owner in owners:
             name = attribute if owner is module else defined_as
             self.patches.append(Patch(owner, name, original, wrapper))
@@ -213,6 +275,17 @@ class Installation:
                 self.rules.append(installed)
 
 
+_UNARMED_REPORTED = "_pallas_guard_unarmed"  # on sys: once per process, whatever reloads the package
+
+
+def _report_once(message: str) -> None:
+    """The one stderr line of a guard that could not arm, where no policy was set to raise it."""
+    line = "pallas_guard: " + " ".join(message.split())
+    if getattr(sys, _UNARMED_REPORTED, None) != line:
+        setattr(sys, _UNARMED_REPORTED, line)
+        sys.stderr.write(line + "\n")
+
+
 def _is_ours(value: object) -> bool:
     return bool(getattr(value, "_self_pallas_guard", False))
 
@@ -228,6 +301,7 @@ def install(
     max_steps: int | str | None = None,
     device: str | Sequence[str] | None = None,
     fast_plain: bool | str | None = None,
+    require_checks: bool | str | None = None,
 ) -> None:
     """Install the guard (idempotent). Settings not given keep a value set earlier through the API
     (until ``uninstall()``, which forgets them), else come from the ``PALLAS_GUARD_*`` variables.
@@ -242,6 +316,7 @@ def install(
         "max_steps": max_steps,
         "device": device,
         "fast_plain": fast_plain,
+        "require_checks": require_checks,
     }
     installation.install(_settings.given(given, call="install"))
 
@@ -253,6 +328,43 @@ def uninstall() -> None:
 
 def status() -> Status:
     return installation.status()
+
+
+class Armed(NamedTuple):
+    """Whether the guard is armed in this process, found by arming it (``doctor``, the pytest header
+    and summary): never assumed from the settings."""
+
+    armed: bool
+    text: str
+
+
+def arm() -> Armed:
+    """Import Pallas (which arms the guard, as a user's import would) and say what is in place: the
+    front door's entry points and the CPU lowering nets, or which part failed and why."""
+    from . import _internals
+
+    if importlib.util.find_spec("jax") is None:
+        return Armed(False, "not armed: jax is not installed")
+    with installation.lock:
+        requested, failure = installation.requested, installation.failure
+    if not requested:
+        return Armed(False, "not armed: no policy is set (the guard is not installed)")
+    if failure is None:  # a failure to arm is recorded on the installation, and reported below
+        with contextlib.suppress(Exception):
+            _internals.import_optional("jax.pallas")  # Pallas's public face from jax 0.12.1 (None before)
+        with contextlib.suppress(Exception):
+            _internals.import_optional("jax.experimental.pallas")
+    now = installation.status()
+    if now.failure is not None:
+        return Armed(False, "NOT ARMED: " + installation.failure_message())
+    version = _internals.jax_version()
+    if not now.active or not now.patched:
+        return Armed(False, f"NOT ARMED on jax {version}: nothing of Pallas is wrapped (active={now.active})")
+    entries = sorted({name.rpartition(".")[2] for name in now.patched})
+    nets = ", ".join(now.lowering_rules) or "none"
+    gaps = "; ".join(now.lowering_net_gaps.values())
+    text = f"armed on jax {version}: entry points {', '.join(entries)} wrapped; CPU lowering rules on {nets}"
+    return Armed(not gaps, text + (f"; NOT ARMED: {gaps}" if gaps else ""))
 
 
 # --- `import pallas_guard` ---------------------------------------------------------------------------
@@ -304,7 +416,7 @@ def install_at_import() -> None:
     """
     try:
         install()
-    except (ValueError, TypeError) as error:
+    except (pallas_guard_autoload.PallasGuardConfigError, TypeError) as error:
         if cli_startup():
             return
         if not (pallas_guard_autoload.loading or during_site_startup()):

@@ -16,6 +16,7 @@ import os
 import sys
 import threading
 import types
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
 from typing import Any, NamedTuple
 
@@ -29,36 +30,92 @@ _warned_missing: set[str] = set()
 
 
 def import_optional(name: str) -> types.ModuleType | None:
-    """Import ``name`` or return None; ImportError covers a missing optional dependency (absl)."""
+    """Import ``name`` or return None; ImportError covers a missing optional dependency (absl).
+
+    A module found absent stays absent for the process: a probe runs once per module, not once per
+    kernel call (each enters a warnings context, which also resets Python's once-per-location memory)."""
     module = sys.modules.get(name)  # the common case, on every kernel call: no import machinery
-    if module is not None:
+    if module is not None or name in _absent_modules:
         return module
     try:
-        return importlib.import_module(name)
+        with probing():
+            return importlib.import_module(name)
     except ImportError:
+        _absent_modules.add(name)
         return None
 
 
+_absent_modules: set[str] = set()
+
+
+_ABSENT = object()
+
+
 def first_attribute(candidates: Iterable[tuple[str, str]]) -> Any | None:
-    """The first ``module.attribute`` of ``candidates`` that exists, else None."""
+    """The first ``module.attribute`` of ``candidates`` that the module itself defines, else None.
+
+    Read from the module's namespace, never through ``getattr``: a name JAX serves from a module
+    ``__getattr__`` is one it deprecated (``jax.pallas.pallas_call_p`` from 0.12.1), and asking for
+    it warns in the user's process (an error under ``-W error``); the next candidate is the route
+    JAX keeps."""
     for module_name, attribute in candidates:
         module = import_optional(module_name)
-        if module is not None and hasattr(module, attribute):
-            return getattr(module, attribute)
+        if module is not None:
+            found = vars(module).get(attribute, _ABSENT)
+            if found is not _ABSENT:
+                return found
     return None
 
 
-def jax_version() -> str:
-    return str(getattr(sys.modules.get("jax"), "__version__", "unknown"))
+_probe = threading.local()
+_IGNORE_ALL = [("ignore", None, Warning, None, 0)]
+
+
+@contextlib.contextmanager
+def probing() -> Iterator[None]:
+    """Inside: what JAX warns while the guard looks it over (a deprecated name, an import) is
+    dropped, whatever the user's warning filters say (``-W error``, ``filterwarnings = error``), so
+    a probe never warns, prints or raises in the user's process; the guard's own warnings
+    (:func:`note_missing`) are warned on the way out, under the user's filters.
+
+    The filter list is swapped, not changed through ``warnings`` (``catch_warnings``, ``simplefilter``):
+    those bump Python's filter version, which makes every warning already shown once per location
+    show again. The swap is process-wide for its instant (as ``catch_warnings`` is before Python
+    3.14's context-aware warnings): a warning another thread raises then is dropped too. Probes are
+    few and short (the arming, a module's first import), never on a kernel's hot path."""
+    if getattr(_probe, "depth", 0):
+        _probe.depth += 1
+        try:
+            yield
+        finally:
+            _probe.depth -= 1
+        return
+    saved = warnings.filters
+    warnings.filters = list(_IGNORE_ALL)
+    _probe.depth, _probe.pending = 1, []
+    try:
+        yield
+    finally:
+        warnings.filters = saved
+        _probe.depth = 0
+    pending, _probe.pending = _probe.pending, []
+    for text in pending:
+        warnings.warn(text, PallasGuardWarning, stacklevel=3)
+
+
+def jax_version(package: str = "jax") -> str:
+    """The running jax's version (or jaxlib's: ``package="jaxlib"``), for messages only."""
+    return str(getattr(sys.modules.get(package), "__version__", "unknown"))
 
 
 def _warn_once(key: str, text: str) -> None:
-    import warnings
-
     with _missing_lock:
         if key in _warned_missing:
             return
         _warned_missing.add(key)
+    if getattr(_probe, "depth", 0):  # inside a probe: warned when it ends, under the user's filters
+        _probe.pending.append(text)
+        return
     warnings.warn(text, PallasGuardWarning, stacklevel=3)
 
 
@@ -71,6 +128,8 @@ def note_missing(name: str, consequence: str) -> None:
 
 TESTED_BELOW = (0, 13)
 """The first jax release past the range CI proves (pyproject's upper bound ``jax<0.13``)."""
+SUPPORTED = "jax>=0.7.2,<0.13"
+"""The range CI proves, as pyproject.toml declares it (a test keeps the two in step)."""
 
 
 def _release(version: str) -> tuple[int, ...]:
@@ -113,7 +172,8 @@ def tested_range_notice() -> str | None:
 
 def pallas_call_primitive() -> Any | None:
     return first_attribute(
-        [("jax.experimental.pallas", "pallas_call_p"), ("jax._src.pallas.pallas_call", "pallas_call_p")]
+        # Where JAX defines it first: jax 0.12.1 deprecated the public name (a warning on access).
+        [("jax._src.pallas.pallas_call", "pallas_call_p"), ("jax.experimental.pallas", "pallas_call_p")]
     )
 
 
@@ -609,6 +669,13 @@ def host_question_inside(attribute: str) -> tuple[types.ModuleType, str] | None:
         if module is not None and callable(vars(module).get("_get_default_num_cores")):
             return module, "_get_default_num_cores"
     return None
+
+
+def block_aval(mapping: Any) -> Any | None:
+    """The aval of one block of a ``BlockMapping`` (its shape, dtype, memory space), transforms
+    applied: ``transformed_block_aval`` up to jax 0.12.0.1, ``block_aval`` from 0.12.1 (which dropped
+    block transforms); None where neither exists."""
+    return getattr(mapping, "transformed_block_aval", None) or getattr(mapping, "block_aval", None)
 
 
 def block_mapping_class() -> type[Any] | None:

@@ -159,7 +159,11 @@ class Guarding(Protocol):
     active: bool
     ledger: Ledger
     hooks: list[Any]
+    failure: str | None
+    """Why the guard could not arm (which part failed), else None."""
 
     def is_active(self) -> bool: ...
+
+    def failure_message(self) -> str: ...
 
     def lowering_net_gap(self, entry: EntryPoint) -> str | None: ...

@@ -11,14 +11,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from . import _act, _bounds, _diagnostics, _engine, _internals, _plain, _plan, _settings, _target
+from . import _act, _bounds, _checks, _diagnostics, _engine, _internals, _plain, _plan, _record, _settings, _target
 from ._enums import Policy
+from ._errors import PallasGuardError
 from ._ledger import Guarding, Ledger
 
 LoweringRule = Callable[..., Any]
 
 
-def make_cpu_rule(entry_point: str, delegate: LoweringRule, installation: Guarding) -> LoweringRule:
+def make_cpu_rule(entry_point: str, delegate: LoweringRule, installation: Guarding) -> LoweringRule:  # noqa: PLR0915 - closures over one rule's state
     """A CPU rule that plans for the kernel, carries the plan out, then hands over to JAX's own rule."""
 
     def who(ctx: Any, params: dict[str, Any]) -> tuple[_diagnostics.KernelInfo, _diagnostics.CallSite]:
@@ -65,7 +66,7 @@ def make_cpu_rule(entry_point: str, delegate: LoweringRule, installation: Guardi
             wanted = plain_checks(params)
             unchecked = _bounds.unchecked_reason(entry_point, params) if wanted else None
             if unchecked is not None and not untouched:
-                notes = (*notes, f"runs unchecked: {', '.join(sorted(wanted))} could not be checked: {unchecked}")
+                notes = (*notes, _unchecked_note(kernel, call_site, ", ".join(sorted(wanted)), unchecked))
             _act.carry_out(
                 plan,
                 layer="lowering",
@@ -105,15 +106,27 @@ def make_cpu_rule(entry_point: str, delegate: LoweringRule, installation: Guardi
                 lowered = _bounds.lower(
                     ctx, in_nodes, plain, kernel=kernel, call_site=call_site, hooks=installation.hooks, checks=checks
                 )
+        except PallasGuardError:
+            raise  # a check that could not run, under require_checks
         except Exception as error:
             # The kernel's own failure fails again below, unchecked, as JAX raises it. Anything else
             # is the check's: the kernel runs unchecked, and its decision says so.
             lowered = interpret_plain(ctx, *in_nodes, **plain)
-            _diagnostics.unchecked(kernel, call_site, ", ".join(sorted(checks)), why=_diagnostics.first_line(error))
+            _unchecked(kernel, call_site, ", ".join(sorted(checks)), _diagnostics.first_line(error))
         return lowered if lowered is not None else interpret_plain(ctx, *in_nodes, **plain)
 
     pallas_guard_cpu_rule.__qualname__ = f"pallas_guard_cpu_rule[{entry_point}]"
     return pallas_guard_cpu_rule
+
+
+def _unchecked_note(kernel: _diagnostics.KernelInfo, call_site: _diagnostics.CallSite, checks: str, why: str) -> str:
+    """The note of a kernel the plain checks could not be applied to (or, under require_checks, the raise)."""
+    note = f"runs unchecked: {checks} could not be checked: {why}"
+    return _checks.unchecked(checks, why, kernel=kernel, call_site=call_site, note=note)
+
+
+def _unchecked(kernel: _diagnostics.KernelInfo, call_site: _diagnostics.CallSite, checks: str, why: str) -> None:
+    _record.annotate(kernel, call_site, _unchecked_note(kernel, call_site, checks, why))
 
 
 def plain_checks(params: dict[str, Any]) -> frozenset[str]:
@@ -175,3 +188,28 @@ def install_rule(
     rule = make_cpu_rule(entry_point, delegate, installation)
     registry.register_lowering(primitive, rule, platform="cpu")
     return InstalledRule(registry, primitive, previous, rule)
+
+
+def install_unarmed_rule(
+    registry: _internals.LoweringRegistry, primitive: Any, installation: Guarding
+) -> InstalledRule | None:
+    """Where the guard could not arm: a CPU rule that hands every kernel to JAX's own rule, and turns
+    JAX's refusal of a kernel without ``interpret=`` into the guard's reason (a ``PallasGuardError``,
+    a ``ValueError`` as JAX's is), unless the policy in force is ``off``."""
+    previous = registry.cpu.get(primitive)
+    delegate = _internals.unwrap_rule(previous) or registry.common_rule(primitive)
+    if delegate is None:
+        return None
+    explanation = installation.failure_message()  # the failure that left this rule in place
+
+    def pallas_guard_unarmed_cpu_rule(ctx: Any, *in_nodes: Any, **params: Any) -> Any:
+        __tracebackhide__ = True
+        try:
+            return delegate(ctx, *in_nodes, **params)
+        except ValueError as error:
+            if params.get("interpret") or _settings.current_policy().value is Policy.OFF:
+                raise
+            raise PallasGuardError(explanation) from error
+
+    registry.register_lowering(primitive, pallas_guard_unarmed_cpu_rule, platform="cpu")
+    return InstalledRule(registry, primitive, previous, pallas_guard_unarmed_cpu_rule)

@@ -64,6 +64,8 @@ class Outcome(NamedTuple):
     refused: BaseException | None = None
     """JAX's lowering error where the target refused the kernel."""
     target: Target | None = None
+    unchecked: str | None = None
+    """Why the check could not run, where it could not."""
 
 
 _FAMILY_PLATFORMS = {"mosaic_tpu": "tpu", "triton": "gpu", "mosaic_gpu": "gpu"}
@@ -148,7 +150,7 @@ def check(build: Callable[[], Any], args: tuple[Any, ...], kwargs: dict[str, Any
 
     missing = lowering_api()
     if missing is not None:
-        return Outcome(f"lowering: not checked: {missing}")
+        return Outcome(f"lowering: not checked: {missing}", unchecked=missing)
     avals, kwavals = _avals((args, kwargs))
     hook(_install.installation.hooks)
     token = _as_the_target.set(True)
@@ -160,7 +162,8 @@ def check(build: Callable[[], Any], args: tuple[Any, ...], kwargs: dict[str, Any
     except Exception as error:
         first = _diagnostics.first_line(error)
         if isinstance(error, ImportError) or any(words in first for words in _NOT_THE_KERNELS):
-            return Outcome(f"lowering: not checked for {target.describe()}: {first}")
+            why = f"for {target.describe()}: {first}"
+            return Outcome(f"lowering: not checked {why}", unchecked=why)
         return Outcome(f"lowering: refused by {target.describe()}", refused=error, target=target)
     finally:
         _as_the_target.reset(token)
@@ -221,10 +224,15 @@ class Lowering(_checks.Check):
         __tracebackhide__ = True
         target = target_for(run.kernel.facts.family, _settings.current("device").value)
         if isinstance(target, str):
-            return _checks.Prepared(f"lowering: not checked: {target}")
+            return _checks.Prepared(
+                _checks.unchecked(self.name, target, kernel=run.kernel.info, call_site=run.call_site)
+            )
         if run.kernel.entry.runs_when_applied:  # core_map runs its body when built: nothing to lower
-            return _checks.Prepared(f"lowering: not checked: {run.kernel.entry.label} runs when built")
+            why = f"{run.kernel.entry.label} runs when built"
+            return _checks.Prepared(_checks.unchecked(self.name, why, kernel=run.kernel.info, call_site=run.call_site))
         outcome = check(run.kernel.build, args, kwargs, target)
+        if outcome.unchecked is not None:
+            _checks.unchecked(self.name, outcome.unchecked, kernel=run.kernel.info, call_site=run.call_site)
         if outcome.refused is not None:
             error = _diagnostics.lowering_refused(
                 kernel=run.kernel.info,

@@ -232,7 +232,7 @@ def _stays_large(params: Mapping[str, Any], written: frozenset[int]) -> bool:
     mappings = getattr(params.get("grid_mapping"), "block_mappings", None) or ()
     moved = 0
     for position in written:
-        aval = getattr(mappings[position], "transformed_block_aval", None)
+        aval = _internals.block_aval(mappings[position])
         itemsize = getattr(getattr(aval, "dtype", None), "itemsize", None)
         shape = getattr(aval, "shape", None)
         if not isinstance(itemsize, int) or shape is None:

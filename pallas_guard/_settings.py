@@ -16,7 +16,7 @@ from contextlib import AbstractContextManager, contextmanager
 from types import MappingProxyType
 from typing import Any, Generic, NamedTuple, TypeVar
 
-from pallas_guard_autoload import OPTIONS, POLICIES, read_environment
+from pallas_guard_autoload import OPTIONS, POLICIES, read_environment, report_unknown_variables
 
 from ._enums import Interpreter, Policy
 
@@ -92,6 +92,7 @@ def configure(given: Mapping[str, Setting[Any]] | None = None) -> None:
     """Settle every option: ``given`` (from the API), else a value pinned earlier, else the
     environment, else the default. Raises on a bad variable before changing anything (inside
     :func:`unsettled`, a bad variable leaves the values unloaded: the next read raises it)."""
+    report_unknown_variables()
     try:
         environment = read_environment()
     except (ValueError, TypeError):

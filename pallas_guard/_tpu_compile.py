@@ -68,9 +68,12 @@ LIBTPU_PINS = {
     "0.9.2": "0.0.37.*",
     "0.10.2": "0.0.42.*",
     "0.11.0": "0.0.44.*",
+    "0.11.2": "0.0.48.*",
     "0.12.0.1": "0.0.50.*",
+    "0.12.1": "0.0.53.*",
 }
-"""The libtpu each jax release's ``tpu`` extra pins, where jax's own metadata cannot say."""
+"""The libtpu each jax release's ``tpu`` extra pins (read from each release's metadata), where the
+installed jax's own metadata cannot say: the one table of them (``.ci/run`` and the docs point here)."""
 
 PHASES = ("lower", "compile")
 

@@ -249,3 +249,13 @@ def abstract_tpu_device() -> object:
         return device_class("TPU v5 lite", 1, "tpu")
     except TypeError:
         return device_class("TPU v5 lite", 1)
+
+
+def tensorcore_mesh(axis_name: str) -> object:
+    """A mesh of this TPU's TensorCores, as the installed jax spells it: ``pltpu.create_tensorcore_mesh``
+    (removed in jax 0.12.1, where reading it raises) or ``pltpu.TensorCoreMesh``; both ask the device
+    for its core count."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    create = vars(pltpu).get("create_tensorcore_mesh")
+    return create(axis_name) if create is not None else pltpu.TensorCoreMesh(axis_name=axis_name)  # type: ignore[no-any-return]

@@ -75,12 +75,29 @@ def add_one(x):
 """
 
 
-def test_pth_file_is_one_constant_line_gated_by_the_policy_variable() -> None:
+def test_pth_file_is_one_constant_line_gated_by_the_guards_variables() -> None:
+    """Any non-blank ``PALLAS_GUARD_*``/``PALLAS_INTERPRET*`` variable opens the gate, a misspelled one
+    too (start-up then names it): nothing else imports anything."""
     lines = PTH_FILE.read_text().splitlines()
     assert len(lines) == 1
     assert lines[0].startswith("import os;")  # site exec()s only lines starting with "import"
-    gate = f'(os.environ.get("{POLICY_ENV}", "").strip() or os.environ.get("PALLAS_INTERPRET", "").strip())'
+    gate = (
+        'any(value.strip() for name, value in os.environ.items() if name.startswith(("PALLAS_GUARD_", '
+        '"PALLAS_INTERPRET")))'
+    )
     assert f'{gate} and __import__("pallas_guard_autoload").activate()' in lines[0]
+
+
+def test_a_misspelled_variable_is_named_at_startup_with_the_closest_one(venvs: dict[str, Path]) -> None:
+    """``PALLAS_GUARD_POLCY=interpret`` would read as "no guard wanted": start-up says so, once, and
+    the process runs on as it would without the guard."""
+    result = run(venvs["autoload"], LOADED, {"PALLAS_GUARD_POLCY": "interpret"})
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.splitlines() == [
+        "pallas_guard: warning: PALLAS_GUARD_POLCY is not a pallas_guard variable and is ignored; "
+        f"did you mean {POLICY_ENV}?"
+    ]
+    assert result.stdout.split() == ["False", "True", "[]"]  # the start-up module alone
 
 
 def test_start_file_names_the_same_entry_point() -> None:

@@ -101,10 +101,25 @@ def test_doctor_reports_a_healthy_cpu_environment() -> None:
     ):
         assert re.search(f"^  {row}", out, re.MULTILINE), row
     assert "[initialised by doctor; pallas_guard itself never does]" in out
+    # found by arming, as the user's import of Pallas would
+    assert re.search(
+        r"^  guard +armed on jax \S+: entry points .*pallas_call.* wrapped; CPU lowering rules on ", out, re.MULTILINE
+    )
     assert (
         "verdict: Pallas kernels here will run interpreted, with a PallasGuardWarning at the caller's line "
         "(on cpu, interpreter auto, policy warn)"
     ) in out
+
+
+def test_doctor_names_a_variable_it_does_not_read_and_the_closest_it_does() -> None:
+    result = cli("doctor", "--json", env={"PALLAS_GUARD_CHECK": "compile"})
+    assert result.returncode == _cli.EXIT_PROBLEMS
+    report = json.loads(result.stdout)
+    assert (
+        "PALLAS_GUARD_CHECK is not a pallas_guard variable and is ignored; did you mean PALLAS_GUARD_CHECKS?"
+        in report["problems"]
+    )
+    assert report["armed"]["armed"] is True
 
 
 def test_doctor_json_names_an_invalid_variable_and_exits_1() -> None:

@@ -200,3 +200,71 @@ def test_behaviour_is_never_gated_on_the_version_string() -> None:
     assert readers == []
     source = (REPO_ROOT / "pallas_guard" / "_internals.py").read_text()
     assert source.count("__version__") == 1
+
+
+# --- probes of JAX never warn in the user's process ---------------------------------------------------
+
+
+def test_arming_reads_no_name_jax_deprecated_under_warnings_as_errors(
+    monkeypatch: pytest.MonkeyPatch, xs: jax.Array
+) -> None:
+    """A jax that serves a name the guard could read from a deprecating module ``__getattr__`` (as
+    0.12.1 does ``pallas_call_p``): arming under ``simplefilter("error")`` reads the route JAX keeps,
+    warns nothing, and the guard is armed."""
+    primitive = _internals.pallas_call_primitive()
+    asked: list[str] = []
+
+    def deprecated(name: str) -> object:
+        asked.append(name)
+        if name == "pallas_call_p":
+            warnings.warn("pallas_call_p is internal to Pallas", DeprecationWarning, stacklevel=2)
+            return primitive
+        raise AttributeError(name)
+
+    if "pallas_call_p" in vars(pl):  # jax < 0.12.1: a plain attribute, as it was
+        monkeypatch.delattr(pl, "pallas_call_p")
+    monkeypatch.setattr(pl, "__getattr__", deprecated, raising=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pallas_guard.install("interpret")
+        armed = _install.arm()
+        np.testing.assert_array_equal(add(xs, xs), xs + xs)
+    assert armed.armed, armed.text
+    assert "pallas_call_p" not in asked
+    assert [d.action for d in pallas_guard.decisions()] == ["interpreted"]
+
+
+def test_a_probe_drops_what_jax_warns_and_keeps_the_guards_own_warnings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """JAX's warning inside a probe is dropped, under "error" too; the guard's own (a missing internal)
+    is warned when the probe ends, under the user's filters; the user's once-per-location memory is
+    left as it was (a warning shown before is not shown again)."""
+    monkeypatch.setattr(_internals, "missing", {})
+    monkeypatch.setattr(_internals, "_warned_missing", set())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        for _ in range(2):
+            warnings.warn("the user's own", UserWarning, stacklevel=1)  # one location: shown once
+            with _internals.probing():
+                warnings.warn("a JAX deprecation", DeprecationWarning, stacklevel=1)
+                _internals.note_missing("an internal", "a layer is off")
+    assert [(w.category, str(w.message).split(";")[0]) for w in caught] == [
+        (UserWarning, "the user's own"),
+        (PallasGuardWarning, "pallas_guard: JAX internal 'an internal' not found in jax " + jax.__version__),
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with _internals.probing():
+            warnings.warn("a JAX deprecation", DeprecationWarning, stacklevel=1)  # dropped, not raised
+
+
+def test_the_supported_range_is_pyprojects_for_jax_jaxlib_and_the_tpu_extra() -> None:
+    """One range: the dependency, jaxlib's, the ``tpu`` extra's (unbounded, pip backtracks through old
+    jax[tpu] releases) and the one the guard's messages name."""
+    import tomllib
+
+    project = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
+    bound = _internals.SUPPORTED.removeprefix("jax")
+    assert f"jax{bound}" in project["dependencies"]
+    assert f"jaxlib{bound}" in project["dependencies"]
+    assert project["optional-dependencies"]["tpu"] == [f"jax[tpu]{bound}"]
+    assert bound.endswith("<" + ".".join(map(str, _internals.TESTED_BELOW)))

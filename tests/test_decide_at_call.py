@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import abstract_tpu_device, clean_env, line_of, run_python
+from conftest import abstract_tpu_device, clean_env, line_of, run_python, tensorcore_mesh
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
@@ -161,7 +161,7 @@ def test_a_decorator_form_built_before_follows_the_settings_at_the_call(guard: C
     guard("interpret")
     tpu = abstract_tpu_device()
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), (), abstract_device=tpu)):
-        mesh = pltpu.create_tensorcore_mesh("core")
+        mesh = tensorcore_mesh("core")
     parameters = inspect.signature(pl.kernel).parameters
     out = jax.ShapeDtypeStruct((8, 128), jnp.float32)
     shapes = {("out_type" if "out_type" in parameters else "out_shape"): out}

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import run_python
+from conftest import run_python, tensorcore_mesh
 from jax.experimental.pallas import tpu as pltpu
 
 import pallas_guard
@@ -26,7 +26,7 @@ def _device_kind() -> str | None:
 def test_a_device_is_told_where_the_guard_interprets_for_the_cpu(guard: Callable[..., None]) -> None:
     guard("interpret", device="tpu-v5e")
     assert _device_kind() == "TPU v5 lite"
-    mesh = pltpu.create_tensorcore_mesh("core")  # asks the device for its core count
+    mesh = tensorcore_mesh("core")  # asks the device for its core count
     assert mesh.shape["core"] == 1
     pallas_guard.uninstall()
     assert _device_kind() is None
@@ -153,7 +153,10 @@ def test_a_core_mesh_kernel_runs_with_the_variables_alone() -> None:
             print("no pl.kernel"); raise SystemExit
         out = "out_type" if "out_type" in inspect.signature(pl.kernel).parameters else "out_shape"
         x = jnp.arange(8 * 128, dtype=jnp.float32).reshape(8, 128)
-        @pl.kernel(mesh=pltpu.create_tensorcore_mesh("core"), **{out: jax.ShapeDtypeStruct(x.shape, x.dtype)})
+        # pltpu.create_tensorcore_mesh, or pltpu.TensorCoreMesh where jax (0.12.1) removed it
+        create = vars(pltpu).get("create_tensorcore_mesh") or (lambda name: pltpu.TensorCoreMesh(axis_name=name))
+        MESH = create("core")
+        @pl.kernel(mesh=MESH, **{out: jax.ShapeDtypeStruct(x.shape, x.dtype)})
         def copy(x_ref, o_ref):  # HBM refs: copied, never read directly (a TPU refuses that)
             pltpu.sync_copy(x_ref, o_ref)
         np.testing.assert_array_equal(copy(x), x)
@@ -168,14 +171,14 @@ def test_a_core_mesh_kernel_runs_with_the_variables_alone() -> None:
 def test_host_code_without_a_device_fails_as_before_and_with_one_runs(guard: Callable[..., None]) -> None:
     guard("interpret")
     with pytest.raises((AttributeError, ValueError)):
-        pltpu.create_tensorcore_mesh("core")
+        tensorcore_mesh("core")
     guard("interpret", device="tpu-v5p")
-    assert pltpu.create_tensorcore_mesh("core").shape["core"] == 2
+    assert tensorcore_mesh("core").shape["core"] == 2
 
 
 _ASKS: dict[str, Callable[[], object]] = {
     "get_tpu_info": lambda: pltpu.get_tpu_info(),  # noqa: PLW0108 - looked up at the call: wrapped or not
-    "create_tensorcore_mesh": lambda: pltpu.create_tensorcore_mesh("core"),
+    "create_tensorcore_mesh": lambda: tensorcore_mesh("core"),
 }
 
 

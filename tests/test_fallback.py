@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import abstract_tpu_device, line_of
+from conftest import abstract_tpu_device, line_of, tensorcore_mesh
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
@@ -58,7 +58,7 @@ def abstract_tpu() -> Iterator[None]:
 
 
 def _core_mesh_double(x: jax.Array) -> jax.Array:
-    mesh = pltpu.create_tensorcore_mesh("core")
+    mesh = tensorcore_mesh("core")
     scratch = [pltpu.VMEM(x.shape, x.dtype), pltpu.SemaphoreType.DMA]
     parameters = inspect.signature(pl.kernel).parameters
     shapes = {("out_type" if "out_type" in parameters else "out_shape"): jax.ShapeDtypeStruct(x.shape, x.dtype)}

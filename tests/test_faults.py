@@ -184,8 +184,11 @@ def test_pallas_import_error_is_the_users_unchanged(target: str, blocked: str) -
 # --- an exception inside the guard's import hook ----------------------------------------------
 
 
-def test_hook_exception_never_reaches_the_users_import() -> None:
-    # wrapt is broken in this process: patching raises inside the post-import hook.
+def test_a_guard_that_cannot_arm_says_so_at_the_import_and_at_each_kernel() -> None:
+    """wrapt is broken in this process: wrapping the entry points fails inside the post-import hook.
+    With a policy set the import of Pallas raises one error naming the part that failed and the jax;
+    nothing of the guard stays patched, and each kernel that lowers for the CPU gets the same reason
+    instead of JAX's bare "Only interpret mode" error; an explicit install() retries and arms."""
     result = run_python(
         """
 import json, sys
@@ -193,67 +196,67 @@ import pallas_guard
 from pallas_guard import _install, _internals
 sys.modules["wrapt"] = None
 import jax, jax.numpy as jnp
-from jax.experimental import pallas as pl   # must not raise
-from jax._src.pallas import pallas_call as pallas_call_module
 try:
-    import jax.experimental.pallas.mosaic_gpu   # a second hooked module: no second report
-except ImportError:
-    pass
-registry = _internals.lowering_registry()
-prim = _internals.pallas_call_primitive()
+    from jax.experimental import pallas as pl
+    raised = None
+except pallas_guard.PallasGuardError as e:
+    raised = str(e)
+from jax._src.pallas import pallas_call as pallas_call_module
 status = _install.status()
-cpu_rule = prim in registry.cpu
+armed = _install.arm()
 def kernel(x_ref, o_ref):
     o_ref[...] = x_ref[...] + 1
 x = jnp.zeros(8)
 try:
-    pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
+    pallas_call_module.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
     error = None
 except Exception as e:
     error = f"{type(e).__name__}: {e}"
 del sys.modules["wrapt"]
 pallas_guard.install("interpret")   # an explicit install retries
+from jax.experimental import pallas as pl
 jax.clear_caches()
 again = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
 print(json.dumps({
-    "original": pl.pallas_call is pallas_call_module.pallas_call,
-    "was_unpatched": status.patched == () and status.lowering_rules == (),
-    "cpu_rule": cpu_rule, "active": status.active, "failure": status.failure,
-    "error": error, "again": again.tolist(),
+    "raised": raised, "patched": list(status.patched), "failure": status.failure,
+    "armed": armed._asdict(), "error": error, "again": again.tolist(), "rearmed": _install.arm().armed,
 }))
 """,
         env={"PALLAS_GUARD_POLICY": "interpret"},
     )
     assert result.returncode == 0, result.stderr
     report = _last_json(result.stdout)
-    reports = [line for line in result.stderr.splitlines() if line.startswith("pallas_guard:")]
-    assert len(reports) == 1, result.stderr
-    assert "disabled itself" in reports[0] and "jax.experimental.pallas" in reports[0]
-    assert report["was_unpatched"] is True
-    assert report["original"] is True
-    assert report["cpu_rule"] is False
-    assert report["active"] is False
-    assert "wrapt" in report["failure"]
-    # Disabled means JAX's own behaviour, not half a guard.
-    assert "Only interpret mode is supported on CPU backend" in report["error"]
+    assert report["raised"] is not None
+    assert "could not arm on jax " + jax.__version__ in report["raised"]
+    assert "wrapping the entry points of jax." in report["raised"] and "wrapt" in report["raised"]
+    assert "PALLAS_GUARD_POLICY=off" in report["raised"]  # what to do
+    assert report["patched"] == []  # nothing half-installed
+    assert report["armed"]["armed"] is False and "NOT ARMED" in report["armed"]["text"]
+    assert report["error"].startswith("PallasGuardError: pallas_guard could not arm"), report["error"]
     assert report["again"] == [1.0] * 8
+    assert report["rearmed"] is True
 
 
-def test_hook_exception_after_patching_undoes_everything(
+def test_a_guard_without_a_policy_that_cannot_arm_prints_one_line(
     monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ) -> None:
+    """No policy given (the default, warn): the failure is one line on stderr, not an error in the
+    user's import, and everything is undone."""
+
     def broken_rule(*args: object, **kwargs: object) -> None:
         raise RuntimeError("simulated bug in the lowering net")
 
     monkeypatch.setattr(_lowering, "install_rule", broken_rule)
-    pallas_guard.install("interpret")  # pallas is imported: the hook runs now, inside install()
+    pallas_guard.install()  # pallas is imported: the hook runs now, inside install()
     status = _install.status()
-    assert status.failure == "RuntimeError: simulated bug in the lowering net"
+    assert status.failure == "installing the CPU lowering net failed: RuntimeError: simulated bug in the lowering net"
     assert status.patched == () and not status.active
     assert pl.pallas_call is ORIGINAL_PALLAS_CALL  # the wrappers applied first were taken off again
-    _install.installation._on_import(sys.modules["jax.experimental.pallas"])  # the hook firing again: silent
+    _install.installation._on_import(sys.modules["jax.experimental.pallas"])  # the hook firing again
     err = capfd.readouterr().err
-    assert err.count("pallas_guard: disabled itself") == 1, err
+    assert err.count("pallas_guard: pallas_guard could not arm") == 1, err
+    with pytest.raises(pallas_guard.PallasGuardError, match="installing the CPU lowering net failed"):
+        pallas_guard.install("interpret")  # a policy given: the same failure raises
 
 
 # --- install / uninstall, in any order and number -----------------------------------------------

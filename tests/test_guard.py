@@ -317,9 +317,12 @@ def test_lowering_for_tpu_alone_is_not_touched(guard: Any, xs: jax.Array) -> Non
 
 
 def _tpu_mesh() -> Any:
+    create = vars(pltpu).get("create_tensorcore_mesh")  # renamed pltpu.TensorCoreMesh, removed in jax 0.12.1
+    if create is None:
+        return pltpu.TensorCoreMesh(axis_name="core", num_cores=1)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)  # renamed pltpu.TensorCoreMesh in jax 0.12
-        return pltpu.create_tensorcore_mesh("core", num_cores=1)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return create("core", num_cores=1)
 
 
 def _kernel_call(x: jax.Array, **interpret: Any) -> jax.Array:

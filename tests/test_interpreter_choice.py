@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import abstract_tpu_device, add, run_python
+from conftest import abstract_tpu_device, add, run_python, tensorcore_mesh
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
@@ -149,7 +149,7 @@ def _core_mesh() -> object:
     """``pltpu.create_tensorcore_mesh`` asks the device for its core count: on a CPU, an abstract TPU answers."""
     tpu = abstract_tpu_device()
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), (), abstract_device=tpu)):
-        return pltpu.create_tensorcore_mesh("core")
+        return tensorcore_mesh("core")
 
 
 # --- candidates() -----------------------------------------------------------------------------------

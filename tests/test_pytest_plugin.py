@@ -85,8 +85,8 @@ def test_option_marker_header_and_summary(tester: pytest.Pytester) -> None:
     result.stdout.fnmatch_lines(
         [
             "pallas_guard: policy warn (from --pallas-guard-policy), interpreter auto (from default), "
-            "checks none (from default), fast plain on (from default), device none (from default), max steps none "
-            "(from default), target cpu *",
+            "checks none (from default), require checks off (from default), fast plain on (from default), "
+            "device none (from default), max steps none (from default), target cpu *",
             "*= pallas_guard summary =*",
             "3 Pallas kernel(s): 2 interpreted (plain: 2), 1 refused, 0 left alone; in 3 test(s)",
         ]
@@ -363,8 +363,8 @@ def test_budget_skip_markers_durations_and_header(tester: pytest.Pytester, monke
     result.stdout.fnmatch_lines(
         [
             "pallas_guard: policy interpret (from PALLAS_INTERPRET), interpreter auto (from default), checks none "
-            "(from default), fast plain on (from default), device none (from default), max steps 4 (from "
-            "pallas_guard_max_steps in pytest.ini), "
+            "(from default), require checks off (from default), fast plain on (from default), "
+            "device none (from default), max steps 4 (from pallas_guard_max_steps in pytest.ini), "
             "target cpu *",
         ]
     )
@@ -405,8 +405,8 @@ def test_budget_skip_markers_durations_and_header(tester: pytest.Pytester, monke
             {"JAX_PLATFORMS": "tpu"},
             ("--pallas-guard-policy=interpret", "--pallas-guard-checks=races,bounds"),
             "pallas_guard: policy interpret (from --pallas-guard-policy), interpreter auto (from default), checks "
-            "races,bounds (from --pallas-guard-checks), fast plain on (from default), device none (from default), max "
-            "steps none (from default), target tpu *",
+            "races,bounds (from --pallas-guard-checks), require checks off (from default), fast plain on "
+            "(from default), device none (from default), max steps none (from default), target tpu *",
         ),
         ({}, (), "pallas_guard: inactive *"),
     ],
@@ -956,3 +956,91 @@ def test_a_finding_is_counted_short_and_says_where_its_setting_came_from(
         assert "To fix: " in body
     assert "To fix: a block shape of (8, 128)" in text
     assert "replace it at" in text and "SORT-LINE" in text
+
+
+# --- armed or loud, checks that cannot vanish, names it does not know ---------------------------------
+
+
+def test_the_header_and_summary_report_the_guard_armed_as_found_by_arming(tester: pytest.Pytester) -> None:
+    """Under ``filterwarnings = error`` (the README's configuration), the guard arms, the header says
+    so (found by importing Pallas), and the summary says it was armed in every process."""
+    tester.makeini("[pytest]\nfilterwarnings =\n    error\npallas_guard_policy = interpret\n")
+    tester.makepyfile(test_armed=TESTS)
+    result = runpytest(tester, "-n", "2")
+    result.assert_outcomes(passed=3)
+    result.stdout.fnmatch_lines(
+        ["pallas_guard: armed on jax *: entry points *pallas_call* wrapped; CPU lowering rules on *"]
+    )
+    result.stdout.fnmatch_lines(["guard armed in * process(es) that imported Pallas: armed on jax *"])
+
+
+def test_a_guard_that_cannot_arm_fails_the_run_saying_why(tester: pytest.Pytester) -> None:
+    """wrapt cannot be imported (a broken environment): the header says NOT ARMED with the reason, and
+    the tests that import Pallas fail with the guard's error, never with JAX's bare one or a pass."""
+    tester.makeini("[pytest]\npallas_guard_policy = interpret\n")
+    tester.makeconftest("import sys\nsys.modules['wrapt'] = None\n")
+    tester.makepyfile(test_unarmed=TESTS)
+    result = runpytest(tester)
+    assert result.ret != 0
+    result.stdout.fnmatch_lines(["pallas_guard: NOT ARMED: pallas_guard could not arm on jax *wrapt*"])
+    result.stdout.fnmatch_lines(["*will NOT run interpreted: the guard is not armed*"])
+    assert "Only interpret mode is supported on CPU backend" not in result.stdout.str().split("short test summary")[-1]
+    result.stdout.fnmatch_lines(["*PallasGuardError: pallas_guard could not arm*"])
+
+
+REQUIRED = """
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+
+def add_one_kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...] + 1.0
+
+
+def test_tpu_kernel():
+    x = jnp.zeros((8, 128), jnp.float32)
+    f = pl.pallas_call(add_one_kernel, out_shape=x, compiler_params=pltpu.CompilerParams())
+    assert float(f(x)[0, 0]) == 1.0
+"""
+
+
+@pytest.mark.parametrize("required", [False, True])
+def test_a_check_that_cannot_run_fails_the_test_under_require_checks(tester: pytest.Pytester, required: bool) -> None:
+    """checks=compile without libtpu (made unimportable here): a note in the summary, the test green;
+    with require_checks, the test fails with a PallasGuardError naming the check, the kernel and why."""
+    tester.makeconftest("import sys\nsys.modules['libtpu'] = None\n")
+    tester.makepyfile(test_required=REQUIRED)
+    settings = ["--pallas-guard-policy=interpret", "--pallas-guard-checks=compile"]
+    if required:
+        tester.makeini("[pytest]\npallas_guard_require_checks = true\n")
+    result = runpytest(tester, *settings)
+    if not required:
+        result.assert_outcomes(passed=1)
+        result.stdout.fnmatch_lines(["note (1 kernel(s)): compile: not checked: libtpu is not installed*"])
+        return
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        ["*PallasGuardError: pallas_guard: the compile check cannot run on Pallas kernel add_one_kernel*"]
+    )
+    result.stdout.fnmatch_lines(["*libtpu is not installed*", "*require_checks is on (require_checks=on from *"])
+    result.stdout.fnmatch_lines(["*1 finding(s) (compile: 1)*"])
+
+
+def test_unknown_variables_and_ini_keys_are_reported_with_the_closest_name(
+    tester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tester.makeini("[pytest]\npallas_guard_polcy = interpret\n")
+    tester.makepyfile(test_nothing="def test_nothing():\n    pass\n")
+    monkeypatch.setenv("PALLAS_GUARD_CHECK", "compile")
+    result = runpytest(tester)
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "pallas_guard: warning: PALLAS_GUARD_CHECK is not a pallas_guard variable and is ignored; "
+            "did you mean PALLAS_GUARD_CHECKS?",
+            "pallas_guard: warning: pallas_guard_polcy in tox.ini is not a pallas_guard setting; "
+            "did you mean pallas_guard_policy?",
+        ]
+    )

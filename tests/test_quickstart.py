@@ -9,6 +9,7 @@ variables are set and their commands run.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import shlex
@@ -134,11 +135,41 @@ def test_the_pytest_configuration_and_markers(venv: Path, project: Path) -> None
 
 
 def test_the_python_example(venv: Path, tmp_path: Path) -> None:
+    """Under ``-W error`` too: nothing the guard does (its probes of JAX included) warns."""
     script = tmp_path / "example.py"
     script.write_text(block("quick start: Python"))
-    result = _run([str(venv), str(script)], venv, tmp_path, {})
+    result = _run([str(venv), "-W", "error", str(script)], venv, tmp_path, {})
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines() == ["[1. 2. 3. 4. 5. 6. 7. 8.]", "interpreted"]
+
+
+ARMED_SCRIPT = """
+import importlib, sys
+import jax, jax.numpy as jnp
+pl = importlib.import_module(sys.argv[1])
+def add_one(x_ref, o_ref):
+    o_ref[...] = x_ref[...] + 1.0
+x = jnp.zeros((8, 128), jnp.float32)
+print(float(pl.pallas_call(add_one, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype))(x)[0, 0]))
+import pallas_guard
+print(pallas_guard.decisions()[-1].action)
+"""
+
+
+@pytest.mark.parametrize("module", ["jax.experimental.pallas", "jax.pallas"])
+def test_the_autoload_arms_under_warnings_as_errors(venv: Path, tmp_path: Path, module: str) -> None:
+    """The variable alone, ``python -W error`` and a kernel without ``interpret=``: the guard arms from
+    whichever public face of Pallas the script imports (``jax.pallas`` is jax 0.12.1's), and nothing
+    it does warns, whatever JAX deprecated."""
+    if module == "jax.pallas" and importlib.util.find_spec("jax.pallas") is None:
+        pytest.skip("this jax has no jax.pallas (added in jax 0.12.1)")
+    script = tmp_path / "armed.py"
+    script.write_text(ARMED_SCRIPT)
+    env = {"PALLAS_GUARD_POLICY": "interpret"}
+    result = _run([str(venv), "-W", "error", str(script), module], venv, tmp_path, env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.splitlines() == ["1.0", "interpreted"], result.stdout + result.stderr
+    assert result.stderr == "", result.stderr  # no warning printed, no line from the guard
 
 
 def test_the_settings_table_names_each_setting_in_its_own_words() -> None:

@@ -21,6 +21,7 @@ from pallas_guard_autoload import (
     OPTIONS,
     PALLAS_INTERPRET_ENV,
     POLICY_ENV,
+    REQUIRE_CHECKS_ENV,
     guard_wanted,
     read_environment,
 )
@@ -42,6 +43,7 @@ def test_options_declare_each_setting_once() -> None:
         "interpreter": (INTERPRETER_ENV, "interpreter", "auto"),
         "checks": (CHECKS_ENV, "set of checks", frozenset()),
         "fast_plain": (FAST_PLAIN_ENV, "boolean", True),
+        "require_checks": (REQUIRE_CHECKS_ENV, "boolean", False),
         "device": (DEVICE_ENV, "device", "none"),
         "max_steps": (MAX_STEPS_ENV, "step budget", None),
     }

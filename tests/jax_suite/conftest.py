@@ -1,7 +1,7 @@
 """The harness that runs JAX's own TPU Pallas tests on a CPU under pallas_guard (tests/jax_suite/run.py).
 
 run.py extracts JAX's test files (and two test helpers the jax wheel lacks) into a temporary
-directory and copies this file there as its conftest.py; it sets ``PALLAS_GUARD_JAX_SUITE`` to
+directory and copies this file there as its conftest.py; it sets ``JAX_SUITE_UNDER_GUARD`` to
 that directory. Without the variable (in this repository's own suite, which collects tests/)
 this file does nothing.
 
@@ -15,12 +15,12 @@ What it does there:
   Test classes with ``INTERPRET = True`` (JAX's own interpret-mode variants) keep the CPU they
   run on: they pass ``interpret=True`` themselves and skip off a CPU;
 - appends every finding the guard records during a test (a decision of action ``found``), as one
-  JSON line with the test's id, to ``PALLAS_GUARD_JAX_SUITE_FINDINGS`` (default:
+  JSON line with the test's id, to ``JAX_SUITE_UNDER_GUARD_FINDINGS`` (default:
   ``findings-CHECKS.jsonl`` in that directory): a finding that the test itself catches
   (``assertRaises``) leaves no failure behind, and is still counted;
 - appends each test's start and each phase's outcome, as JSON lines, to
-  ``PALLAS_GUARD_JAX_SUITE_RESULTS`` (flushed as they happen: a test that aborts the process is
-  the last one started), and deselects the test ids listed in ``PALLAS_GUARD_JAX_SUITE_DONE``
+  ``JAX_SUITE_UNDER_GUARD_RESULTS`` (flushed as they happen: a test that aborts the process is
+  the last one started), and deselects the test ids listed in ``JAX_SUITE_UNDER_GUARD_DONE``
   (run.py's resumption after such an abort).
 """
 
@@ -37,8 +37,8 @@ from typing import Any
 
 import pytest
 
-SUITE_DIR = os.environ.get("PALLAS_GUARD_JAX_SUITE")
-FINDINGS = os.environ.get("PALLAS_GUARD_JAX_SUITE_FINDINGS") or (
+SUITE_DIR = os.environ.get("JAX_SUITE_UNDER_GUARD")
+FINDINGS = os.environ.get("JAX_SUITE_UNDER_GUARD_FINDINGS") or (
     os.path.join(SUITE_DIR, f"findings-{os.environ.get('PALLAS_GUARD_CHECKS', 'none')}.jsonl") if SUITE_DIR else None
 )
 HELPERS = {
@@ -48,8 +48,8 @@ HELPERS = {
 TPU_VERSION = 5
 TPU_DEVICE_KIND = "TPU v5 lite"  # what jax reports for a v5e
 
-RESULTS = os.environ.get("PALLAS_GUARD_JAX_SUITE_RESULTS")
-DONE = os.environ.get("PALLAS_GUARD_JAX_SUITE_DONE")
+RESULTS = os.environ.get("JAX_SUITE_UNDER_GUARD_RESULTS")
+DONE = os.environ.get("JAX_SUITE_UNDER_GUARD_DONE")
 
 _device = {"platform": "tpu"}
 

@@ -173,10 +173,10 @@ def run_pytest(suite: Path, files: list[str], checks: str, args: argparse.Namesp
         PALLAS_GUARD_POLICY="interpret",
         PALLAS_GUARD_DEVICE=args.device,
         PALLAS_GUARD_CHECKS=checks,
-        PALLAS_GUARD_JAX_SUITE=str(suite),
-        PALLAS_GUARD_JAX_SUITE_FINDINGS=str(findings),
-        PALLAS_GUARD_JAX_SUITE_RESULTS=str(results),
-        PALLAS_GUARD_JAX_SUITE_DONE=str(done),
+        JAX_SUITE_UNDER_GUARD=str(suite),
+        JAX_SUITE_UNDER_GUARD_FINDINGS=str(findings),
+        JAX_SUITE_UNDER_GUARD_RESULTS=str(results),
+        JAX_SUITE_UNDER_GUARD_DONE=str(done),
         PYTHONUNBUFFERED="1",
     )
     for name in ("PALLAS_GUARD_INTERPRETER", "PALLAS_GUARD_DETECT_RACES", "PALLAS_GUARD_MAX_STEPS", "PALLAS_INTERPRET"):
