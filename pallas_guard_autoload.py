@@ -361,8 +361,9 @@ OPTIONS = {
             _checks,
             "'races', 'bounds', 'agree', 'lowering', 'compile' (comma-separated), 'all' or 'none'",
             frozenset(),
-            "check interpreted kernels: races (data races; moves a kernel to the interpreter that detects "
-            "them), bounds (an out-of-bounds index raises; in every interpreter), agree (the first call runs "
+            "check interpreted kernels: races (DMA and semaphore races, checked inside the plain interpretation "
+            "or by TPU interpret mode's detector where a kernel runs there), bounds (an out-of-bounds index raises; "
+            "in every interpreter), agree (the first call runs "
             "in every interpreter that can run the kernel, and their outputs must agree where the kernel wrote), "
             "lowering (the first call also lowers the kernel for its real target, TPU or GPU, as JAX does "
             "there), compile (a Mosaic-TPU kernel is also compiled by the TPU's own compiler, libtpu, for the "

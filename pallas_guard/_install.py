@@ -116,7 +116,10 @@ class Installation:
             if self.failure is None:
                 return
             message = self.failure_message()
-        if _settings.current_policy().source != "default":
+        policy = _settings.current_policy()
+        if policy.value is Policy.OFF:  # JAX's own behaviour was asked for: nothing to arm for
+            return
+        if policy.source != "default":
             raise PallasGuardError(message)
         _report_once(message)
 
@@ -168,7 +171,7 @@ class Installation:
                         if installed is not None:
                             self.rules.append(installed)
         except Exception:
-            pass
+            return  # the failure it would explain is raised or printed all the same
 
     def _undo_locked(self) -> None:
         self.active = False

@@ -257,6 +257,8 @@ def test_a_guard_without_a_policy_that_cannot_arm_prints_one_line(
     assert err.count("pallas_guard: pallas_guard could not arm") == 1, err
     with pytest.raises(pallas_guard.PallasGuardError, match="installing the CPU lowering net failed"):
         pallas_guard.install("interpret")  # a policy given: the same failure raises
+    pallas_guard.install("off")  # JAX's own behaviour asked for: nothing to arm, nothing raised
+    assert _install.status().failure is not None
 
 
 # --- install / uninstall, in any order and number -----------------------------------------------
