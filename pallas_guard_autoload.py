@@ -4,9 +4,9 @@ PYTEST_DONT_REWRITE: pytest marks every top-level module of a distribution with 
 entry point for assertion rewriting and warns about each one already imported; this one is
 imported at start-up by design and has no asserts to rewrite.
 
-Imports nothing but ``os`` and ``sys``: every Python process of an environment with the autoload
-pays for this module when a ``PALLAS_GUARD_*`` policy is set. It holds what start-up needs and
-nothing else:
+Imports nothing but ``os``, ``sys`` and the builtin ``_thread``: every Python process of an
+environment with the autoload pays for this module when a ``PALLAS_GUARD_*`` variable is set. It
+holds what start-up needs and nothing else:
 
 - :data:`OPTIONS`, the one declaration of every setting (variable, parser, accepted values,
   default); the package builds its sources and scopes on it, the pytest plugin and the CLI read it.
@@ -18,6 +18,7 @@ nothing else:
   silently unguarded process); an explicit ``import pallas_guard`` raises it at once.
 """
 
+import _thread  # threading's lock and local, loaded before site runs; `import threading` costs more
 import os
 import sys
 
@@ -509,6 +510,17 @@ def guard_wanted(environ: "Mapping[str, str] | None" = None) -> bool:
 # Ours, not wrapt's: `import wrapt` costs ~100 ms (asyncio, importlib.metadata).
 
 
+_hook_depth: "dict[int, int]" = {}
+"""Thread id -> how many post-import callbacks of ours run inside an import in that thread."""
+
+
+def in_import_hook() -> bool:
+    """True while a post-import callback runs inside the import of a watched module: an exception
+    raised there would leave JAX's modules half-imported (a second import of ``pallas_call`` then
+    fails, "Config option ... already defined", seen on jax 0.9.2), so nothing may raise there."""
+    return _hook_depth.get(_thread.get_ident(), 0) > 0
+
+
 class _CallbackLoader:
     """Delegates to the real loader, then runs the callbacks once the module has executed."""
 
@@ -527,7 +539,12 @@ class _CallbackLoader:
             module.__spec__.loader = self._loader
         module.__loader__ = self._loader
         self._loader.exec_module(module)
-        self._finder.fire(self._name, module)
+        thread = _thread.get_ident()
+        _hook_depth[thread] = _hook_depth.get(thread, 0) + 1
+        try:
+            self._finder.fire(self._name, module)
+        finally:
+            _hook_depth[thread] -= 1
 
     def __getattr__(self, name: str) -> "Any":
         return getattr(self._loader, name)
@@ -537,8 +554,6 @@ class PostImportFinder:
     """A ``sys.meta_path`` entry that only wraps the loader of the modules it watches."""
 
     def __init__(self) -> None:
-        import _thread  # threading's lock; `import threading` costs more
-
         self._callbacks: dict[str, list[Callback]] = {}
         self._lock = _thread.allocate_lock()
 
@@ -614,20 +629,15 @@ def report_startup_error(error: BaseException) -> None:
 
 def _load_guard(module: "ModuleType") -> None:
     """Post-import callback for Pallas's public modules: ``import pallas_guard`` installs the guard.
-
-    The policy variable is set (else no hook): the guard arms, or the import says why it cannot,
-    never a process that runs on with the guard silently off."""
+    It runs inside the user's import of Pallas, which must not fail because of us: a guard that
+    cannot arm says so on stderr, and each kernel that lowers for the CPU raises the reason."""
     del module
     global loading  # noqa: PLW0603
     loading = True
     try:
         import pallas_guard  # noqa: F401
     except Exception as error:
-        if type(error).__name__ != "PallasGuardError":  # that one says all there is to say
-            sys.stderr.write(
-                f"pallas_guard: could not be imported, the guard is off: {type(error).__name__}: {error}\n"
-            )
-        raise
+        sys.stderr.write(f"pallas_guard: could not be imported, the guard is off: {type(error).__name__}: {error}\n")
     finally:
         loading = False
 

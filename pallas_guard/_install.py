@@ -107,7 +107,8 @@ class Installation:
     def _on_import(self, module: ModuleType) -> None:
         """Post-import callback: arm the guard for ``module``. It arms, or says so at once: where a
         part fails, everything is undone, each kernel that lowers for the CPU is refused with the
-        reason (never JAX's bare error), and with a policy set the import itself raises it."""
+        reason (never JAX's bare error), and the failure is one line on stderr, or, where a policy
+        was given and this runs outside an import (``install()``), a ``PallasGuardError``."""
         with self.lock:
             if not self.requested:
                 return
@@ -119,7 +120,7 @@ class Installation:
         policy = _settings.current_policy()
         if policy.value is Policy.OFF:  # JAX's own behaviour was asked for: nothing to arm for
             return
-        if policy.source != "default":
+        if policy.source != "default" and not pallas_guard_autoload.in_import_hook():
             raise PallasGuardError(message)
         _report_once(message)
 
