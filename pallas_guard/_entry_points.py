@@ -65,11 +65,17 @@ class HostQuestion(NamedTuple):
     label: str
     modules: tuple[str, ...]
     attribute: str
+    holders: tuple[str, ...] = ()
+    """JAX's own modules that may hold the same function (its callers look it up there), wrapped
+    too where they do: found by the object, since a cached function (jax 0.12.1's ``get_tpu_info``,
+    a ``StrongLRUCache``) names no defining module."""
 
 
 # JAX's public GPU modules have no such function: its GPU kernels read the abstract device directly.
 HOST_QUESTIONS = (
-    HostQuestion("pltpu.get_tpu_info", TPU_MODULES, "get_tpu_info"),
+    HostQuestion(
+        "pltpu.get_tpu_info", TPU_MODULES, "get_tpu_info", ("jax._src.tpu_info", "jax._src.pallas.mosaic.tpu_info")
+    ),
     HostQuestion("pltpu.create_tensorcore_mesh", TPU_MODULES, "create_tensorcore_mesh"),
 )
 MODULES = tuple(

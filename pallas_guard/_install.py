@@ -223,7 +223,13 @@ class Installation:
         if _is_ours(original):
             self._record_bound(module, question.attribute, original)
         elif callable(original):
-            self._patch_function(module, question.attribute, original, wrap_host_question(original, question, self))
+            wrapper = wrap_host_question(original, question, self)
+            self._patch_function(module, question.attribute, original, wrapper)
+            for name in question.holders:
+                holder = sys.modules.get(name)
+                if holder is not None and holder is not module and vars(holder).get(question.attribute) is original:
+                    self.patches.append(Patch(holder, question.attribute, original, wrapper))
+                    setattr(holder, question.attribute, wrapper)
 
     def _record_bound(self, module: ModuleType, attribute: str, wrapper: Any) -> None:
         """``module.attribute`` holds a wrapper of ours it took from another module: put it back too."""
