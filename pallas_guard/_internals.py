@@ -32,8 +32,8 @@ _warned_missing: set[str] = set()
 def import_optional(name: str) -> types.ModuleType | None:
     """Import ``name`` or return None; ImportError covers a missing optional dependency (absl).
 
-    A module found absent stays absent for the process: a probe runs once per module, not once per
-    kernel call (each enters a warnings context, which also resets Python's once-per-location memory)."""
+    A module found absent stays absent for the process: its import is tried (as a probe, under
+    :func:`probing`) once, not at every kernel call."""
     module = sys.modules.get(name)  # the common case, on every kernel call: no import machinery
     if module is not None or name in _absent_modules:
         return module
@@ -46,8 +46,6 @@ def import_optional(name: str) -> types.ModuleType | None:
 
 
 _absent_modules: set[str] = set()
-
-
 _ABSENT = object()
 
 
