@@ -59,7 +59,7 @@ class PallasGuardConfigError(ValueError):
 
 # One class per process, whatever reloads this module: `pallas_guard` catches and re-exports the
 # first one, so a second class would escape its handlers.
-_ERROR_CLASS = "_pallas_guard_config_error"  # on sys: outlives a reload, as _REPORTED below
+_ERROR_CLASS = "_pallas_guard_config_error"  # on sys: outlives a reload, as say_once's lines do
 PallasGuardConfigError = getattr(sys, _ERROR_CLASS, PallasGuardConfigError)  # type: ignore[misc]
 setattr(sys, _ERROR_CLASS, PallasGuardConfigError)
 PallasGuardConfigError.__module__ = "pallas_guard"  # the name users import and catch
@@ -485,17 +485,21 @@ def unknown_variables(environ: "Mapping[str, str] | None" = None) -> "list[str]"
     return sentences
 
 
-_UNKNOWN_REPORTED = "_pallas_guard_unknown_variables"  # on sys: once per process, whoever reports it
+def say_once(key: str, lines: "Sequence[str]") -> None:
+    """Write ``lines`` to stderr unless this process wrote the same ones under ``key`` last: kept on
+    ``sys``, so a reload of this module or of the package, and site running a venv's ``.pth`` files
+    twice (CPython 3.11, 3.12), print them once. A line, never a Python warning, which ``-W error``
+    would turn into a crash of a run the guard may have no business in."""
+    if lines and getattr(sys, key, None) != list(lines):
+        setattr(sys, key, list(lines))
+        for line in lines:
+            sys.stderr.write(line + "\n")
 
 
 def report_unknown_variables() -> None:
-    """Print one line per unknown variable (once per process): a warning on stderr, never a Python
-    warning, which a ``-W error`` process would turn into a crash of a run the guard is not in."""
+    """One line per variable the guard does not read, once per process."""
     sentences = unknown_variables()
-    if sentences and getattr(sys, _UNKNOWN_REPORTED, None) != sentences:
-        setattr(sys, _UNKNOWN_REPORTED, sentences)
-        for sentence in sentences:
-            sys.stderr.write(f"pallas_guard: warning: {sentence}\n")
+    say_once("_pallas_guard_unknown_variables", [f"pallas_guard: warning: {sentence}" for sentence in sentences])
 
 
 def guard_wanted(environ: "Mapping[str, str] | None" = None) -> bool:
@@ -603,7 +607,6 @@ def finder() -> PostImportFinder:
 
 # --- activation ----------------------------------------------------------------------------------
 
-_REPORTED = "_pallas_guard_startup_error"  # on sys: must outlive a reload of this module
 activated = False
 """Whether :func:`activate` found the guard wanted, and registered the hook."""
 startup_error: str | None = None
@@ -621,10 +624,7 @@ def report_startup_error(error: BaseException) -> None:
         "it sees raises this error until the value is fixed)."
     )
     startup_error = line
-    # site runs a venv's .pth files twice (CPython 3.11, 3.12): print the line once.
-    if getattr(sys, _REPORTED, None) != line:
-        setattr(sys, _REPORTED, line)
-        sys.stderr.write(line + "\n")
+    say_once("_pallas_guard_startup_error", [line])
 
 
 def _load_guard(module: "ModuleType") -> None:

@@ -6,10 +6,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-# Each public face of Pallas: ``jax.pallas`` (jax >= 0.12.1, the preferred import) and
-# ``jax.experimental.pallas`` (every version; from 0.12.1 an alias of ``jax.pallas``). A user may
-# import either alone, so each is a trigger and each binds the entry points under its own names.
-PALLAS_MODULES = ("jax.pallas", "jax.experimental.pallas")
+# Pallas's public faces, jax.pallas (0.12.1+) and jax.experimental.pallas: a user may import either
+# alone, so each is a trigger (the autoload's table) and each binds the entry points under its names.
+from pallas_guard_autoload import PALLAS_MODULES
+
 MOSAIC_GPU_MODULES = ("jax.pallas.mosaic_gpu", "jax.experimental.pallas.mosaic_gpu")
 TPU_MODULES = ("jax.pallas.tpu", "jax.experimental.pallas.tpu")
 

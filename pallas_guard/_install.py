@@ -122,7 +122,7 @@ class Installation:
             return
         if policy.source != "default" and not pallas_guard_autoload.in_import_hook():
             raise PallasGuardError(message)
-        _report_once(message)
+        pallas_guard_autoload.say_once("_pallas_guard_unarmed", ["pallas_guard: " + " ".join(message.split())])
 
     def _arm(self, module: ModuleType) -> None:
         from . import _internals
@@ -224,33 +224,38 @@ class Installation:
             self._record_bound(module, question.attribute, original)
         elif callable(original):
             wrapper = wrap_host_question(original, question, self)
-            self._patch_function(module, question.attribute, original, wrapper)
-            for name in question.holders:
-                holder = sys.modules.get(name)
-                if holder is not None and holder is not module and vars(holder).get(question.attribute) is original:
-                    self.patches.append(Patch(holder, question.attribute, original, wrapper))
-                    setattr(holder, question.attribute, wrapper)
+            self._patch_function(module, question.attribute, original, wrapper, holders=question.holders)
 
     def _record_bound(self, module: ModuleType, attribute: str, wrapper: Any) -> None:
         """``module.attribute`` holds a wrapper of ours it took from another module: put it back too."""
         if not any(patch.owner is module and patch.attribute == attribute for patch in self.patches):
             self.patches.append(Patch(module, attribute, wrapper.__wrapped__, wrapper))
 
-    def _patch_function(self, module: ModuleType, attribute: str, original: Any, wrapper: Any) -> None:
-        """``module.attribute`` (and the same function where it is defined) replaced by ``wrapper``;
-        where the defining module already holds our wrapper of that function (another public module
-        armed first: jax.pallas and jax.experimental.pallas), that one wrapper serves both."""
-        owners = [module]
+    def _patch_function(
+        self, module: ModuleType, attribute: str, original: Any, wrapper: Any, *, holders: Sequence[str] = ()
+    ) -> None:
+        """``module.attribute`` (and the same function where it is defined, and in ``holders``, JAX's
+        modules that may hold it under the same name) replaced by ``wrapper``; where the defining
+        module already holds our wrapper of that function (another public module armed first:
+        jax.pallas and jax.experimental.pallas), that one wrapper serves both."""
+        owners = [(module, attribute)]
         # Also patch the defining module: JAX's own callers (and PallasTest) look the function up there.
         defining = sys.modules.get(getattr(original, "__module__", "") or "")
         defined_as = getattr(original, "__name__", attribute)
         there = vars(defining).get(defined_as) if defining is not None and defining is not module else None
         if there is original:
-            owners.append(defining)  # type: ignore[arg-type]
+            owners.append((defining, defined_as))  # type: ignore[arg-type]
         elif there is not None and _is_ours(there) and there.__wrapped__ is original:
             wrapper = there
-        for owner in owners:
-            name = attribute if owner is module else defined_as
+        for name in holders:
+            holder = sys.modules.get(name)
+            if (
+                holder is not None
+                and all(holder is not o for o, _ in owners)
+                and vars(holder).get(attribute) is original
+            ):
+                owners.append((holder, attribute))
+        for owner, name in owners:
             self.patches.append(Patch(owner, name, original, wrapper))
             setattr(owner, name, wrapper)
 
@@ -283,17 +288,6 @@ class Installation:
                 )
             else:
                 self.rules.append(installed)
-
-
-_UNARMED_REPORTED = "_pallas_guard_unarmed"  # on sys: once per process, whatever reloads the package
-
-
-def _report_once(message: str) -> None:
-    """The one stderr line of a guard that could not arm, where no policy was set to raise it."""
-    line = "pallas_guard: " + " ".join(message.split())
-    if getattr(sys, _UNARMED_REPORTED, None) != line:
-        setattr(sys, _UNARMED_REPORTED, line)
-        sys.stderr.write(line + "\n")
 
 
 def _is_ours(value: object) -> bool:
