@@ -128,7 +128,8 @@ class _Session:
         except (ValueError, TypeError) as error:
             raise pytest.UsageError(f"pallas_guard: {error}") from None
         import pallas_guard  # noqa: F401 - installs the guard from the environment (the one code path)
-        from pallas_guard import _install, _settings
+        from pallas_guard._surfaces import install as _install
+        from pallas_guard._vocabulary import settings as _settings
 
         _install.installation.install(
             {
@@ -144,7 +145,7 @@ class _Session:
         """Attribute the decisions recorded since the last call to ``nodeid``."""
         if "pallas_guard" not in sys.modules:
             return
-        from pallas_guard import _record
+        from pallas_guard._vocabulary import record as _record
 
         records = _record.snapshot()
         if len(records) < self._seen:  # someone cleared them (clear_decisions())
@@ -156,7 +157,7 @@ class _Session:
 def _guard_requested() -> bool:
     if "pallas_guard" not in sys.modules:
         return pallas_guard_autoload.activated
-    from pallas_guard import _install
+    from pallas_guard._surfaces import install as _install
 
     return _install.status().requested
 
@@ -263,7 +264,8 @@ def pytest_report_header(config: pytest.Config) -> str | list[str]:
             f"setting or {POLICY_ENV})",
             *unknown,
         ]
-    from pallas_guard import _settings, _target
+    from pallas_guard._deciding import target as _target
+    from pallas_guard._vocabulary import settings as _settings
 
     target = _target.detect()
     where = target.platform or "decided when each kernel lowers"
@@ -271,7 +273,7 @@ def pytest_report_header(config: pytest.Config) -> str | list[str]:
     for name, option in OPTIONS.items():
         setting = _settings.current(name)
         settings.append(f"{name.replace('_', ' ')} {option.word(setting.value)} (from {setting.source})")
-    from pallas_guard import _install
+    from pallas_guard._surfaces import install as _install
 
     armed = _install.arm()  # found by arming, as the tests' import of Pallas would
     lines = [
@@ -281,7 +283,7 @@ def pytest_report_header(config: pytest.Config) -> str | list[str]:
         if armed.armed
         else "pallas_guard: Pallas kernels here will NOT run interpreted: the guard is not armed (above)",
     ]
-    from pallas_guard._cli import installation_notices  # the same notices as doctor's
+    from pallas_guard._surfaces.cli import installation_notices  # the same notices as doctor's
 
     lines.extend(f"pallas_guard: notice: {printable(notice)}" for notice in installation_notices())
     return lines + unknown
@@ -355,7 +357,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def _outcome() -> Any:
     """What the guard does here to a kernel written for GPU/TPU (``_settings.outcome``, as ``doctor``
     says it); an unknown target with no accelerator plugin installed is the CPU, as the plan decides."""
-    from pallas_guard import _settings, _target
+    from pallas_guard._deciding import target as _target
+    from pallas_guard._vocabulary import settings as _settings
 
     target = _target.detect()
     platform = target.platform
@@ -383,7 +386,7 @@ def _pallas_guard_marker(request: pytest.FixtureRequest) -> Iterator[None]:
     installed_here = not _guard_requested()
     try:
         import pallas_guard as guard
-        from pallas_guard import _settings
+        from pallas_guard._vocabulary import settings as _settings
     except (ValueError, TypeError) as error:  # a bad PALLAS_GUARD_* variable
         raise pytest.UsageError(f"pallas_guard: {error}") from None
     if installed_here:
@@ -432,8 +435,8 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, Any, Any]:
     except Exception as error:
         if "pallas_guard" not in sys.modules:
             raise
-        from pallas_guard import _diagnostics
-        from pallas_guard._frontdoor import note_which_accelerator
+        from pallas_guard._deciding import diagnostics as _diagnostics
+        from pallas_guard._guard.frontdoor import note_which_accelerator
 
         session = item.config.stash.get(_KEY, None)
         if session is not None and session.active:
@@ -492,7 +495,9 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     state = session.config.stash[_KEY]
     state.take(OUTSIDE_TESTS)
     if state.active and any(name in sys.modules for name in pallas_guard_autoload.PALLAS_MODULES):
-        from pallas_guard import _install  # Pallas was imported here: the guard armed, or says why not
+        from pallas_guard._surfaces import (
+            install as _install,  # Pallas was imported here: the guard armed, or says why not
+        )
 
         state.armed.append(_install.arm()._asdict())
     workeroutput = getattr(session.config, "workeroutput", None)

@@ -121,7 +121,7 @@ def rows(*, quick: bool = False, pairs: int | None = None) -> list[Row]:
 
     pairs = pairs or (3 if quick else 7)
     first_pairs = min(pairs, 3)  # a first call lasts up to seconds: three pairs per kernel
-    was_installed = pallas_guard._install.status().requested
+    was_installed = pallas_guard._surfaces.install.status().requested
     first_calls = {kernel.name: kernel for kernel in _corpus()}
     measured: list[Row] = []
     first: dict[str, float] = {}
@@ -139,7 +139,7 @@ def rows(*, quick: bool = False, pairs: int | None = None) -> list[Row]:
             first[case.name] = _first_call(first_calls[case.name], first_pairs)
             row.detail = f"{row.detail}; first call {first[case.name]:.2f}x unchecked's".lstrip("; ")
         measured.append(row)
-    pallas_guard._settings.reset()
+    pallas_guard._vocabulary.settings.reset()
     pallas_guard.uninstall()
     if was_installed:
         pallas_guard.install()

@@ -152,7 +152,7 @@ def _median_row(name: str, ratios: dict[str, float], target: float | None, note:
 def _warm(kernels: list[FirstCall]) -> str:
     """Runs each variant once on the cheap kernels and makes the TPU compiler's topology, untimed
     (a process pays both once); says how long the topology took."""
-    from pallas_guard import _tpu_compile
+    from pallas_guard._running import tpu_compile as _tpu_compile
 
     note = ""
     if _tpu_compile.available() is None:
@@ -172,7 +172,7 @@ def rows(*, quick: bool = False, pairs: int | None = None) -> list[Row]:
     import pallas_guard
 
     rounds = pairs or (1 if quick else 3)
-    was_installed = pallas_guard._install.status().requested
+    was_installed = pallas_guard._surfaces.install.status().requested
     names = QUICK | frozenset(WARM) if quick else None
     kernels = [*_corpus(names), *_tpu_kernels(names)]
     warm_note = _warm(kernels)
@@ -254,7 +254,7 @@ def rows(*, quick: bool = False, pairs: int | None = None) -> list[Row]:
                 "n = kernels" + failing(check),
             )
         )
-    pallas_guard._settings.reset()
+    pallas_guard._vocabulary.settings.reset()
     pallas_guard.uninstall()
     if was_installed:
         pallas_guard.install()

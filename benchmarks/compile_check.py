@@ -147,7 +147,7 @@ def _unavailable(why: str) -> list[Row]:
 
 def rows(*, quick: bool = False, pairs: int | None = None) -> list[Row]:
     import pallas_guard
-    from pallas_guard import _tpu_compile
+    from pallas_guard._running import tpu_compile as _tpu_compile
 
     missing = _tpu_compile.available()
     if missing is not None:
@@ -162,7 +162,7 @@ def rows(*, quick: bool = False, pairs: int | None = None) -> list[Row]:
 
     steady_pairs = pairs or 3  # cheap (0.1 s a sample), and noisier than a first call
     pairs = pairs or (2 if quick else 3)
-    was_installed = pallas_guard._install.status().requested
+    was_installed = pallas_guard._surfaces.install.status().requested
     kernels = [Kernel(case, record) for case, record in recorded() if not quick or case.name in QUICK]
     first: dict[str, float] = {}
     first_kept: dict[str, float] = {}
@@ -193,7 +193,7 @@ def rows(*, quick: bool = False, pairs: int | None = None) -> list[Row]:
             f"{kernel.name} {first[kernel.name]:.2f} ({comparison.median('a') * 1e3:.0f}/"
             f"{comparison.median('b') * 1e3:.0f} ms)/{steady[kernel.name]:.3f}"
         )
-    pallas_guard._settings.reset()
+    pallas_guard._vocabulary.settings.reset()
     pallas_guard.clear_decisions()
     if was_installed:
         pallas_guard.install()

@@ -157,7 +157,7 @@ def rows(*, quick: bool = False, pairs: int | None = None) -> list[Row]:
     import pallas_guard
 
     pairs = pairs or (3 if quick else 7)
-    was_installed = pallas_guard._install.status().requested
+    was_installed = pallas_guard._surfaces.install.status().requested
     kernels = [k for k in (*_corpus(), *_own_kernels()) if not quick or k.name in QUICK]
     result: list[Row] = []
     ratios: list[float] = []
@@ -205,7 +205,7 @@ def rows(*, quick: bool = False, pairs: int | None = None) -> list[Row]:
             note="n = kernels",
         )
     )
-    pallas_guard._settings.reset()
+    pallas_guard._vocabulary.settings.reset()
     if was_installed:
         pallas_guard.install()
     return result

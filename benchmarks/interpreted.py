@@ -436,7 +436,7 @@ def rows(*, quick: bool = False, pairs: int | None = None) -> list[Row]:
 
     pairs = pairs or (3 if quick else 5)
     scales = (1, 16) if quick else (1, 4, 16)
-    was_installed = pallas_guard._install.status().requested
+    was_installed = pallas_guard._surfaces.install.status().requested
     measured: list[Measured] = []
     result: list[Row] = []
     try:
@@ -451,7 +451,7 @@ def rows(*, quick: bool = False, pairs: int | None = None) -> list[Row]:
                 measured.append(item)
     finally:
         pallas_guard.uninstall()
-        pallas_guard._settings.reset()
+        pallas_guard._vocabulary.settings.reset()
         if was_installed:
             pallas_guard.install()
     return [*result, *_summaries(measured, scales[-1])]

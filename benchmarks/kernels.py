@@ -129,7 +129,7 @@ def rows(*, quick: bool = False, pairs: int | None = None) -> list[Row]:
     # --quick: one kernel of each family keeps the row under a minute (compiling every kernel in
     # every mode, TPU interpret mode above all, is what takes the time).
     selected = [case for case in cases() if not quick or case.name in QUICK_CASES]
-    was_installed = pallas_guard._install.status().requested
+    was_installed = pallas_guard._surfaces.install.status().requested
     for case in selected:
         if case.xfail or case.skip_reason():
             continue
@@ -172,7 +172,7 @@ def rows(*, quick: bool = False, pairs: int | None = None) -> list[Row]:
                 ),
             )
         )
-    pallas_guard._settings.reset()  # the interpreters and checks the modes pinned: rows after see none
+    pallas_guard._vocabulary.settings.reset()  # the interpreters and checks the modes pinned: rows after see none
     if was_installed:
         pallas_guard.install()
     return result

@@ -67,7 +67,7 @@ def rows(*, quick: bool = False, pairs: int | None = None) -> list[Row]:
     import pallas_guard
 
     pairs = pairs or (3 if quick else 5)
-    was_installed = pallas_guard._install.status().requested
+    was_installed = pallas_guard._surfaces.install.status().requested
     kernels = [k for k in _corpus() if not quick or k.name in QUICK]
     first: list[float] = []
     steady: list[float] = []
@@ -86,7 +86,7 @@ def rows(*, quick: bool = False, pairs: int | None = None) -> list[Row]:
         )
         steady.append(settled.ratio("cpu"))
         details.append(f"{kernel.name} {first[-1]:.2f}/{steady[-1]:.3f}")
-    pallas_guard._settings.reset()
+    pallas_guard._vocabulary.settings.reset()
     pallas_guard.uninstall()
     if was_installed:
         pallas_guard.install()

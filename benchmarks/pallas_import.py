@@ -18,7 +18,7 @@ TARGET = 1.05
 GUARDED = ("-c", "import pallas_guard; import jax.experimental.pallas")
 PLAIN = ("-c", "import jax.experimental.pallas")
 _CHECK = (
-    "import pallas_guard, jax.experimental.pallas as pl; from pallas_guard import _install; "
+    "import pallas_guard, jax.experimental.pallas as pl; from pallas_guard._surfaces import install as _install; "
     "s = _install.status(); assert s.active and s.patched and s.lowering_rules, s; "
     "print(len(s.patched), 'entry points patched,', len(s.lowering_rules), 'CPU rules')"
 )

@@ -98,7 +98,7 @@ def _error_type(error: BaseException) -> str:
 def _refusal(phase: str, error: BaseException) -> dict[str, Any]:
     import tpu_corpus
 
-    from pallas_guard import _tpu_compile
+    from pallas_guard._running import tpu_compile as _tpu_compile
 
     message = _tpu_compile.first_line(error)
     return {
@@ -132,7 +132,7 @@ def _outputs(out: Any) -> list[dict[str, Any]]:
 
 
 def _memory(text: str, generation: str) -> dict[str, Any]:
-    from pallas_guard import _tpu_compile
+    from pallas_guard._running import tpu_compile as _tpu_compile
 
     usage = _tpu_compile.memory(text, generation)
     return {"vmem_used": usage.vmem_used, "vmem_limit": usage.vmem_limit, "smem_declared": usage.smem_used}
@@ -172,7 +172,7 @@ def run_on_tpu(case: Any, generation: str, calls: int) -> dict[str, Any]:
 
 
 def compile_deviceless(case: Any, generation: str) -> dict[str, Any]:
-    from pallas_guard import _tpu_compile
+    from pallas_guard._running import tpu_compile as _tpu_compile
 
     outcome = _tpu_compile.compile_kernel(case.build, case.inputs(), {}, generation)
     if outcome.unchecked is not None:

@@ -144,7 +144,7 @@ def rows(*, quick: bool = False, pairs: int | None = None) -> list[Row]:
     """One call per case whatever ``quick`` and ``pairs`` say: nothing is timed (about 20 s)."""
     import pallas_guard
 
-    was_installed = pallas_guard._install.status().requested
+    was_installed = pallas_guard._surfaces.install.status().requested
     pallas_guard.clear_decisions()
     outputs: list[Output] = []
     failed: list[str] = []
@@ -156,7 +156,7 @@ def rows(*, quick: bool = False, pairs: int | None = None) -> list[Row]:
             failed.append(f"{case.name}: {type(error).__name__}: {str(error).splitlines()[0][:120]}")
     interpreters = Counter(d.interpreter for d in pallas_guard.decisions() if d.action == "interpreted")
     pallas_guard.clear_decisions()
-    pallas_guard._settings.reset()
+    pallas_guard._vocabulary.settings.reset()
     if was_installed:
         pallas_guard.install()
 

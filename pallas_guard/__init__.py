@@ -12,13 +12,15 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterable, Iterator, Sequence
 
+from pallas_guard._surfaces import install as _install
+from pallas_guard._surfaces.install import install, uninstall
+from pallas_guard._vocabulary import errors as _errors
+from pallas_guard._vocabulary import record as _record
+from pallas_guard._vocabulary import settings as _settings
+from pallas_guard._vocabulary.enums import Interpreter, Policy
+from pallas_guard._vocabulary.errors import PallasGuardError, PallasGuardWarning
+from pallas_guard._vocabulary.record import Decision
 from pallas_guard_autoload import PallasGuardConfigError
-
-from . import _errors, _install, _record, _settings
-from ._enums import Interpreter, Policy
-from ._errors import PallasGuardError, PallasGuardWarning
-from ._install import install, uninstall
-from ._record import Decision
 
 __all__ = (
     "Decision",
@@ -50,7 +52,7 @@ def set_policy(policy: Policy | str) -> None:
     source = "set_policy()"
     _settings.pin("policy", _settings.Setting(_settings.parse("policy", policy, "set_policy(policy)"), source))
     if _install.installation.active:
-        from . import _device
+        from pallas_guard._deciding import device as _device
 
         _device.apply()  # a device is presented only while the guard interprets
 
@@ -96,7 +98,7 @@ def _scope(overrides: dict[str, _settings.Setting[object]]) -> Iterator[None]:
         if not _install.installation.active:
             yield
             return
-        from . import _device
+        from pallas_guard._deciding import device as _device
 
         with _device.scoped():
             yield

@@ -1,10 +1,10 @@
-"""``pallas-guard`` / ``python -m pallas_guard``: the command line (see :mod:`pallas_guard._cli`)."""
+"""``pallas-guard`` / ``python -m pallas_guard``: the command line (see :mod:`pallas_guard._surfaces.cli`)."""
 
 from __future__ import annotations
 
 import sys
 
-from ._cli import main
+from pallas_guard._surfaces.cli import main
 
 __all__ = ("main",)
 

@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 import pallas_guard
-from pallas_guard import _record, _settings
+from pallas_guard._vocabulary import record as _record
+from pallas_guard._vocabulary import settings as _settings
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # A user's project, run by tests/test_quickstart.py under the guard; not tests of this suite.
@@ -41,7 +42,7 @@ ORIGINAL_PALLAS_CALL = pl.pallas_call
 
 
 def _cpu_rules() -> dict[object, object]:
-    from pallas_guard import _internals
+    from pallas_guard._jax import internals as _internals
 
     registry = _internals.lowering_registry()
     assert registry is not None

@@ -450,7 +450,7 @@ def _blackwell_matmul(m: Any, a: jax.Array, b: jax.Array) -> jax.Array:
 
 
 def _all() -> list[Case]:
-    from pallas_guard import _internals
+    from pallas_guard._jax import internals as _internals
 
     no_gpu_interpreter = None if _internals.gpu_params_class() is not None else NO_GPU_INTERPRETER
     triton = functools.partial(Case, family="triton")

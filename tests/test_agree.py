@@ -17,7 +17,8 @@ import pytest
 from jax.experimental import pallas as pl
 
 import pallas_guard
-from pallas_guard import _agree, _interpreters
+from pallas_guard._checks import agree as _agree
+from pallas_guard._deciding import interpreters as _interpreters
 
 pytestmark = pytest.mark.skipif(not _interpreters.available("tpu"), reason="this jax has no TPU interpret mode")
 
@@ -220,7 +221,7 @@ def test_a_kernel_without_operands_is_compared_under_jit_and_the_process_lives()
 
 def test_a_vmap_of_the_jitted_function_batches_it_uncompared_and_the_note_says_so(guard: Any) -> None:
     # The guard traced the comparison under jit, unbatched; the vmap batches that trace after.
-    from pallas_guard import _internals
+    from pallas_guard._jax import internals as _internals
 
     if _internals.batching_rule_of_our_own() is None:
         pytest.skip("jax 0.7 drops a custom_vmap call whose result is unused: it cannot batch the comparison")

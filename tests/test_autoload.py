@@ -18,7 +18,7 @@ import pytest
 from conftest import REPO_ROOT, clean_env, dependency_paths, make_venv, venv_site_packages
 
 import pallas_guard_autoload
-from pallas_guard import _install
+from pallas_guard._surfaces import install as _install
 from pallas_guard_autoload import CHECKS_ENV, DETECT_RACES_ENV, INTERPRETER_ENV, MAX_STEPS_ENV, OPTIONS, POLICY_ENV
 
 PTH_FILE = REPO_ROOT / "pallas_guard_autoload.pth"
@@ -147,7 +147,8 @@ def test_set_variable_installs_the_guard_when_pallas_is_imported(venvs: dict[str
     code = (
         LOADED
         + "import jax.experimental.pallas as pl\n"
-        + "from pallas_guard import _install, _settings\n"
+        + "from pallas_guard._surfaces import install as _install\n"
+        + "from pallas_guard._vocabulary import settings as _settings\n"
         + "status = _install.status()\n"
         + "print(len(status.patched) > 0, status.requested, _settings.current_policy())"
     )
@@ -352,7 +353,7 @@ def test_sitecustomize_calling_activate_with_a_bad_value_behaves_as_the_autoload
 def test_sitecustomize_importing_pallas_guard_installs_it(venvs: dict[str, Path], tmp_path: Path) -> None:
     (tmp_path / "sitecustomize.py").write_text(IMPORT_SITECUSTOMIZE)
     code = """
-    from pallas_guard import _install, _settings
+    from pallas_guard._surfaces import install as _install; from pallas_guard._vocabulary import settings as _settings
     print(_install.status().requested, _settings.current_policy().value.value)
     """
     result = run(venvs["plain"], code, {POLICY_ENV: "interpret"}, pythonpath=tmp_path)
@@ -372,7 +373,7 @@ def test_sitecustomize_importing_pallas_guard_with_a_bad_value_keeps_running_and
             print(call(), flush=True)
         except pallas_guard.PallasGuardConfigError as error:
             print("raised", str(error).split(" is not")[0], flush=True)
-    from pallas_guard import _install
+    from pallas_guard._surfaces import install as _install
     print("requested:", _install.status().requested)
     """
     result = run(venvs["plain"], code, {POLICY_ENV: "loud"}, pythonpath=tmp_path)
@@ -445,7 +446,8 @@ print("at start-up:", "pallas_guard" in sys.modules, sys.modules["pallas_guard_a
     + """
 print(add_one(jnp.arange(4.0)).tolist())
 import pallas_guard
-print(len(pallas_guard._install.status().patched) > 0, [(d.action, d.policy.value) for d in pallas_guard.decisions()])
+patched = pallas_guard._surfaces.install.status().patched
+print(len(patched) > 0, [(d.action, d.policy.value) for d in pallas_guard.decisions()])
 """
 )
 

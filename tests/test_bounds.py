@@ -413,7 +413,7 @@ def test_a_failure_of_the_check_itself_runs_the_kernel_unchecked_and_says_so(mon
     """A kernel the check cannot handle is never failed by it: it runs in the plain interpreter as
     without the check, and its decision's note says the check did not apply; no warning, which a
     ``filterwarnings = error`` suite would turn into a failure."""
-    from pallas_guard import _bounds
+    from pallas_guard._checks import bounds as _bounds
 
     def broken(*args: object, **kwargs: object) -> None:
         raise RuntimeError("the check cannot handle this kernel")

@@ -20,7 +20,9 @@ from conftest import run_python
 from jax.experimental import pallas as pl
 
 import pallas_guard
-from pallas_guard import PallasGuardError, _internals, _interpreters
+from pallas_guard import PallasGuardError
+from pallas_guard._deciding import interpreters as _interpreters
+from pallas_guard._jax import internals as _internals
 
 X = jnp.arange(16 * 128, dtype=jnp.float32).reshape(16, 128)
 
@@ -426,7 +428,7 @@ def test_uninstall_leaves_nothing_behind() -> None:
 
 def test_uninstall_forgets_what_install_pinned() -> None:
     """A later install() starts from the environment, not from an earlier install()'s settings."""
-    from pallas_guard import _settings
+    from pallas_guard._vocabulary import settings as _settings
 
     pallas_guard.install("warn", checks="bounds,agree", device="h100")
     pallas_guard.uninstall()

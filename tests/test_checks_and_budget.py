@@ -16,7 +16,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 import pallas_guard
-from pallas_guard import _engine, _interpreters
+from pallas_guard._deciding import interpreters as _interpreters
+from pallas_guard._guard import engine as _engine
 
 # --- a grid over the step budget ------------------------------------------------------------------
 
@@ -197,7 +198,7 @@ def test_a_bad_checks_value_names_the_input(bad: str) -> None:
 
 
 def test_checks_from_the_environment_and_the_older_alias(monkeypatch: pytest.MonkeyPatch) -> None:
-    from pallas_guard import _settings
+    from pallas_guard._vocabulary import settings as _settings
 
     monkeypatch.setenv("PALLAS_GUARD_DETECT_RACES", "1")
     _settings.reset()
@@ -210,7 +211,7 @@ def test_checks_from_the_environment_and_the_older_alias(monkeypatch: pytest.Mon
 def test_uninitialised_memory_reads_as_nan_in_the_checking_interpreters() -> None:
     """README's claim that no check of its own is needed: JAX's TPU interpreter fills with NaN."""
     chosen = _interpreters.candidates(
-        pallas_guard._settings.Setting(pallas_guard.Interpreter.AUTO, "test"), checks=frozenset({"bounds"})
+        pallas_guard._vocabulary.settings.Setting(pallas_guard.Interpreter.AUTO, "test"), checks=frozenset({"bounds"})
     )
     value = _engine.interpret_value("tpu", chosen)
     assert getattr(value, "uninitialized_memory", "nan") == "nan"
@@ -267,7 +268,7 @@ def test_a_bad_pallas_interpret_names_the_variable() -> None:
 def test_doctor_shows_checks_and_budget_with_their_sources() -> None:
     env = {"JAX_PLATFORMS": "cpu", "PALLAS_INTERPRET": "yes", "PALLAS_GUARD_DETECT_RACES": "1"}
     env["PALLAS_GUARD_MAX_STEPS"] = "64"
-    result = run_python("from pallas_guard._cli import main; raise SystemExit(main(['doctor']))", env=env)
+    result = run_python("from pallas_guard._surfaces.cli import main; raise SystemExit(main(['doctor']))", env=env)
     lines = {line.split()[0]: line for line in result.stdout.splitlines() if line.startswith("  ")}
     assert "interpret (from PALLAS_INTERPRET)" in lines["policy"]
     assert "races (from PALLAS_GUARD_DETECT_RACES)" in lines["checks"]

@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 from conftest import clean_env
 
-from pallas_guard import PallasGuardConfigError, _cli, _target
+from pallas_guard import PallasGuardConfigError
+from pallas_guard._deciding import target as _target
+from pallas_guard._surfaces import cli as _cli
 from pallas_guard_autoload import CHECKS_ENV, DETECT_RACES_ENV, INTERPRETER_ENV, MAX_STEPS_ENV, OPTIONS, POLICY_ENV
 
 AUTOLOAD_INSTALLED = bool(_cli.installed_startup_files())
@@ -169,7 +171,7 @@ def test_doctor_ignores_a_dist_info_folder_in_the_working_directory(tmp_path: Pa
 def test_doctor_works_without_jax() -> None:
     code = (
         "import sys; sys.modules['jax'] = None  # `import jax` now fails, as when it is not installed\n"
-        "from pallas_guard._cli import main; sys.exit(main(['doctor']))"
+        "from pallas_guard._surfaces.cli import main; sys.exit(main(['doctor']))"
     )
     result = subprocess.run(
         [sys.executable, "-c", code], env=clean_env(), capture_output=True, text=True, timeout=120, check=False

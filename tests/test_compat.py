@@ -18,8 +18,10 @@ from conftest import ORIGINAL_PALLAS_CALL, REPO_ROOT, add, add_interpreted_by_ha
 from jax.experimental import pallas as pl
 
 import pallas_guard
-from pallas_guard import PallasGuardError, PallasGuardWarning, _install, _internals
-from pallas_guard._entry_points import BY_LABEL
+from pallas_guard import PallasGuardError, PallasGuardWarning
+from pallas_guard._jax import internals as _internals
+from pallas_guard._surfaces import install as _install
+from pallas_guard._vocabulary.entry_points import BY_LABEL
 
 
 @pytest.fixture(autouse=True)
@@ -126,7 +128,7 @@ def test_unknown_target_with_missing_net() -> None:
         """
 import json
 import pallas_guard
-from pallas_guard import _internals, _target
+from pallas_guard._jax import internals as _internals; from pallas_guard._deciding import target as _target
 pallas_guard.uninstall()
 _internals.lowering_registry = lambda: None
 import warnings; warnings.simplefilter("ignore")
@@ -192,13 +194,15 @@ def test_newer_jax_is_a_notice_not_a_warning_and_keeps_working(
 
 def test_behaviour_is_never_gated_on_the_version_string() -> None:
     """Feature detection, not version checks: ``__version__`` is read in one place, for messages."""
+    package = REPO_ROOT / "pallas_guard"
     readers = [
-        path.name
-        for path in sorted((REPO_ROOT / "pallas_guard").glob("*.py"))
-        if "__version__" in path.read_text() and path.name not in {"_internals.py", "_cli.py"}
+        path.relative_to(package).as_posix()
+        for path in sorted(package.rglob("*.py"))
+        if "__version__" in path.read_text()
+        and path.relative_to(package).as_posix() not in {"_jax/internals.py", "_surfaces/cli.py"}
     ]
     assert readers == []
-    source = (REPO_ROOT / "pallas_guard" / "_internals.py").read_text()
+    source = (package / "_jax" / "internals.py").read_text()
     assert source.count("__version__") == 1
 
 

@@ -17,7 +17,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 import pallas_guard
-from pallas_guard import PallasGuardError, _tpu_compile
+from pallas_guard import PallasGuardError
+from pallas_guard._running import tpu_compile as _tpu_compile
 
 needs_libtpu = pytest.mark.skipif(_tpu_compile.available() is not None, reason=str(_tpu_compile.available()))
 
@@ -133,7 +134,7 @@ def test_a_triton_kernel_is_not_compiled_for_a_tpu(guard: Any) -> None:
 def test_operands_libtpu_aborts_on_are_not_compiled_in_this_process() -> None:
     """libtpu ends the process (a fatal check) on a semaphore output or host operands: such a
     kernel is left uncompiled, with a note, rather than taking the user's program down."""
-    from pallas_guard import _compile_check
+    from pallas_guard._checks import compile as _compile_check
 
     semaphore_out = {"out_shape": pltpu.SemaphoreType.DMA(()), "out_specs": pl.BlockSpec(memory_space=pltpu.SEMAPHORE)}
     assert _compile_check._aborting_memory_space(semaphore_out) is not None

@@ -21,7 +21,8 @@ import pytest
 from jax.experimental import pallas as pl
 
 import pallas_guard
-from pallas_guard import PallasGuardError, PallasGuardWarning, _record
+from pallas_guard import PallasGuardError, PallasGuardWarning
+from pallas_guard._vocabulary import record as _record
 
 CALLS_PER_WORKER = 3
 

@@ -309,7 +309,7 @@ def test_an_export_for_the_cpu_runs_a_plain_kernel(guard: Callable[..., None]) -
 
 def test_an_eager_verified_call_lowers_the_kernel_once(guard: Callable[..., None]) -> None:
     """The trial lowering is the real one: the first call costs what a hand-written one does."""
-    from pallas_guard import _internals
+    from pallas_guard._jax import internals as _internals
 
     guard("interpret")
 
@@ -400,7 +400,7 @@ def test_a_verified_kernel_under_jit_is_lowered_with_the_bounds_check_once(
 ) -> None:
     """The trial verifies the unchecked interpreter's trace; the check's own lowering, the costly
     one, is made once, by the outer lowering, and the checked kernel still runs checked."""
-    from pallas_guard import _bounds
+    from pallas_guard._checks import bounds as _bounds
 
     checked_lowerings = []
     original = _bounds.lower
@@ -443,7 +443,8 @@ def test_a_kept_interpreter_trace_matches_only_the_equation_it_was_made_from() -
 
     from jax._src.sharding_impls import ShardingContext
 
-    from pallas_guard import _engine, _internals
+    from pallas_guard._guard import engine as _engine
+    from pallas_guard._jax import internals as _internals
 
     def equation(scale: float, x: jax.Array) -> Any:  # traced without the guard: nothing lowers
         jaxpr = jax.jit(functools.partial(_dma_scaled, scale)).trace(x).jaxpr

@@ -15,7 +15,8 @@ from conftest import run_python, tensorcore_mesh
 from jax.experimental.pallas import tpu as pltpu
 
 import pallas_guard
-from pallas_guard import _engine, _interpreters
+from pallas_guard._deciding import interpreters as _interpreters
+from pallas_guard._guard import engine as _engine
 
 
 def _device_kind() -> str | None:

@@ -31,7 +31,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 import pallas_guard
-from pallas_guard import _interpreters
+from pallas_guard._deciding import interpreters as _interpreters
 
 
 def _mgpu() -> Any:
@@ -183,7 +183,7 @@ def test_mosaic_gpu_kernel_with_a_trivial_window_keeps_the_mosaic_gpu_interprete
 
 
 def test_verification_is_paid_once_per_kernel_and_shapes(guard: Callable[..., None]) -> None:
-    from pallas_guard import _install
+    from pallas_guard._surfaces import install as _install
 
     guard("interpret")
     ledger = _install.installation.ledger

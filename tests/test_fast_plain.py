@@ -202,7 +202,8 @@ def test_own_kernel_under_the_bounds_check_gives_the_same_bits(name: str, guard:
 
 
 def _exact_here() -> bool:
-    from pallas_guard import _internals, _plain
+    from pallas_guard._jax import internals as _internals
+    from pallas_guard._running import plain as _plain
 
     return _internals.jax_release() >= _plain.EXACT_FROM
 
@@ -333,7 +334,8 @@ def test_a_step_below_the_small_loop_threshold_runs_as_shipped(
     """Blocks of 8 x 8 float32 (256 bytes a step written back): a loop XLA would compile as one small
     call once the read-only write-backs are left out, and JAX's not, so the guard leaves them in,
     except where this XLA compiles every loop so (or the threshold is set to 0: none)."""
-    from pallas_guard import _internals, _plain
+    from pallas_guard._jax import internals as _internals
+    from pallas_guard._running import plain as _plain
 
     x = jnp.zeros((64, 8), jnp.float32)
     monkeypatch.delenv("XLA_FLAGS", raising=False)

@@ -16,7 +16,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 import pallas_guard
-from pallas_guard import PallasGuardError, PallasGuardWarning, _internals
+from pallas_guard import PallasGuardError, PallasGuardWarning
+from pallas_guard._jax import internals as _internals
 
 JAX_CPU_ERROR = "Only interpret mode is supported on CPU backend."
 HAS_KERNEL = hasattr(pl, "kernel")
@@ -271,7 +272,7 @@ def test_grad_through_a_custom_vjp_kernel(guard: Any, xs: jax.Array) -> None:
 
 
 def test_default_device_scope_is_the_target(guard: Any, xs: jax.Array) -> None:
-    from pallas_guard import _target
+    from pallas_guard._deciding import target as _target
 
     with jax.default_device(jax.devices("cpu")[0]):
         target = _target.detect()
@@ -283,7 +284,7 @@ def test_accelerator_target_passes_the_front_door_and_the_net_decides(
     guard: Any, xs: jax.Array, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """When configuration says tpu the front door stands aside; a CPU lowering still meets the net."""
-    from pallas_guard import _target
+    from pallas_guard._deciding import target as _target
 
     monkeypatch.setattr(_target, "detect", lambda: _target.Target("tpu", ("simulated tpu default device",)))
     guard("strict")
@@ -359,7 +360,7 @@ def test_pl_kernel_with_a_tpu_mesh_is_interpreted_exactly_as_by_hand(guard: Any,
 def test_pl_kernel_strict_refuses(guard: Any, xs: jax.Array) -> None:
     """Eager: refused at the call, named as built. Under jit: refused where it lowers for the CPU;
     before jax 0.9.1 pl.kernel lowers through JAX's own pallas_call wrapper, which the net names."""
-    from pallas_guard import _internals
+    from pallas_guard._jax import internals as _internals
 
     guard("strict")
     with pytest.raises(PallasGuardError, match=r"'_kernel_call.<locals>.body' \(built with pl\.kernel\)"):
@@ -423,7 +424,8 @@ def test_core_map_writing_captured_refs_never_returns_zeros(guard: Any, xs: jax.
     hand too: jax < 0.11.2), the guard runs it in TPU interpret mode: jax 0.8-0.10's refuses this
     body's direct read of an HBM ref, as a TPU would (an error, never a wrong answer); jax 0.7's
     computes x + 3. From 0.11.2: plain, x + 3."""
-    from pallas_guard import _internals, _interpreters
+    from pallas_guard._deciding import interpreters as _interpreters
+    from pallas_guard._jax import internals as _internals
 
     guard("interpret")
     plain_wrong = _interpreters.plain_gets_wrong(_interpreters.GENERIC._replace(captured_refs="captured"))

@@ -55,7 +55,7 @@ def test_target_is_unknown_before_backends_exist_and_read_from_config_after() ->
     result = run_python(
         """
         import pallas_guard, jax
-        from pallas_guard import _target
+        from pallas_guard._deciding import target as _target
         print(_target.detect().platform)
         jax.config.update("jax_platforms", "cpu")
         print(_target.detect())

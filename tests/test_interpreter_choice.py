@@ -19,7 +19,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 import pallas_guard
-from pallas_guard import PallasGuardError, _engine, _internals, _interpreters, _settings
+from pallas_guard import PallasGuardError
+from pallas_guard._deciding import interpreters as _interpreters
+from pallas_guard._guard import engine as _engine
+from pallas_guard._jax import internals as _internals
+from pallas_guard._vocabulary import settings as _settings
 
 AUTO = _settings.Setting(pallas_guard.Interpreter.AUTO, "default")
 

@@ -20,7 +20,8 @@ from jax.experimental import pallas as pl
 from ops_corpus import Case, cases
 
 import pallas_guard
-from pallas_guard import PallasGuardError, _lowering_check
+from pallas_guard import PallasGuardError
+from pallas_guard._checks import lowering as _lowering_check
 
 pytestmark = pytest.mark.skipif(
     _lowering_check.lowering_api() is not None, reason="this jax cannot lower for a chosen platform"

@@ -24,7 +24,9 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.interpreters import mlir
 
 import pallas_guard
-from pallas_guard import _install, _internals, _target
+from pallas_guard._deciding import target as _target
+from pallas_guard._jax import internals as _internals
+from pallas_guard._surfaces import install as _install
 
 X = jax.ShapeDtypeStruct((8, 128), jnp.float32)
 

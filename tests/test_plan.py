@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from pallas_guard import Policy
-from pallas_guard._interpreters import PLAIN_ONLY, Candidates
-from pallas_guard._plan import Action, Situation, plan
+from pallas_guard._deciding.interpreters import PLAIN_ONLY, Candidates
+from pallas_guard._deciding.plan import Action, Situation, plan
 
 TPU_FIRST = Candidates(("tpu",), "cross-device")
 VERIFIED = Candidates(("plain", "tpu"), "a Mosaic-TPU kernel", verify=True)

@@ -121,7 +121,7 @@ def test_without_a_policy_the_guard_stays_off_until_imported(tester: pytest.Pyte
 
         def test_explicit_import_installs_as_documented():
             import pallas_guard
-            from pallas_guard import _install
+            from pallas_guard._surfaces import install as _install
 
             assert _install.status().requested and pallas_guard.get_policy() == "warn"
         """

@@ -22,8 +22,9 @@ import numpy as np
 import pytest
 
 import pallas_guard
-from pallas_guard import _dma_races, _internals
-from pallas_guard._errors import PallasGuardError
+from pallas_guard._checks import dma_races as _dma_races
+from pallas_guard._jax import internals as _internals
+from pallas_guard._vocabulary.errors import PallasGuardError
 
 sys.path.insert(0, str(Path(__file__).parent))
 import race_corpus

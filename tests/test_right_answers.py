@@ -16,7 +16,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 import pallas_guard
-from pallas_guard import _internals, _interpreters
+from pallas_guard._deciding import interpreters as _interpreters
+from pallas_guard._jax import internals as _internals
 
 X = jnp.arange(8 * 128, dtype=jnp.int32).reshape((8, 128))
 

@@ -9,8 +9,9 @@ import pytest
 from conftest import run_python
 
 import pallas_guard
-from pallas_guard import Interpreter, PallasGuardConfigError, Policy, _settings
-from pallas_guard._settings import current_interpreter, current_policy, parse
+from pallas_guard import Interpreter, PallasGuardConfigError, Policy
+from pallas_guard._vocabulary import settings as _settings
+from pallas_guard._vocabulary.settings import current_interpreter, current_policy, parse
 from pallas_guard_autoload import (
     CHECKS_ENV,
     DETECT_RACES_ENV,
@@ -136,7 +137,7 @@ pallas_guard.install()
 print("bare install():", pallas_guard.get_policy().value)
 importlib.reload(pallas_guard)
 print("reload:", pallas_guard.get_policy().value)
-from pallas_guard import _install, _settings
+from pallas_guard._surfaces import install as _install; from pallas_guard._vocabulary import settings as _settings
 print(_install.status().requested, _settings.current_policy().source)
 """
 

@@ -19,7 +19,9 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import pallas_guard
-from pallas_guard import Interpreter, PallasGuardConfigError, Policy, _install, _settings
+from pallas_guard import Interpreter, PallasGuardConfigError, Policy
+from pallas_guard._surfaces import install as _install
+from pallas_guard._vocabulary import settings as _settings
 from pallas_guard_autoload import DETECT_RACES_ENV, INTERPRETER_ENV, OPTIONS, POLICY_ENV
 
 KINDS: dict[str, tuple[type[Policy] | type[Interpreter], str]] = {

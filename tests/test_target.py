@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from conftest import run_python
 
-from pallas_guard import _target
+from pallas_guard._deciding import target as _target
 
 STRICT_KERNEL = """
 import jax, jax.numpy as jnp

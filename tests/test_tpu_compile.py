@@ -1,4 +1,4 @@
-"""The TPU compile check (``pallas_guard._tpu_compile``): libtpu's compiler on this CPU, against
+"""The TPU compile check (``pallas_guard._running.tpu_compile``): libtpu's compiler on this CPU, against
 what a real TPU v5e did with the same kernels (``tests/data/tpu_v5e_records.json``, recorded by
 ``benchmarks/tpu_record.py``).
 
@@ -26,7 +26,7 @@ import pytest
 import tpu_corpus
 
 import pallas_guard
-from pallas_guard import _tpu_compile
+from pallas_guard._running import tpu_compile as _tpu_compile
 from pallas_guard_autoload import DEVICES
 
 RECORDS = Path(__file__).resolve().parent / "data" / "tpu_v5e_records.json"
@@ -178,7 +178,7 @@ _ALONE = """
 import json, os, sys
 import jax
 from jax._src import xla_bridge
-from pallas_guard import _tpu_compile
+from pallas_guard._running import tpu_compile as _tpu_compile
 names = ("TPU_ACCELERATOR_TYPE", "TPU_WORKER_HOSTNAMES", "ALLOW_MULTIPLE_LIBTPU_LOAD")
 before_env = {k: os.environ.get(k) for k in names}
 devices = {g: _tpu_compile.topology_device(g) for g in _tpu_compile.GENERATIONS}
@@ -233,7 +233,10 @@ def test_compile_leaves_devices_and_backend_alone() -> None:
 
 def test_two_processes_compile_at_once() -> None:
     """libtpu's host-wide lock would refuse a second process (``pytest -n``) on a host without a TPU."""
-    show = "from pallas_guard import _tpu_compile as t; print(getattr(t.topology_device('tpu-v5e'), 'platform', 'no'))"
+    show = (
+        "from pallas_guard._running import tpu_compile as t; "
+        "print(getattr(t.topology_device('tpu-v5e'), 'platform', 'no'))"
+    )
     hold = subprocess.Popen(
         [sys.executable, "-c", f"import sys, time; {show}; sys.stdout.flush(); time.sleep(30)"],
         stdout=subprocess.PIPE,

@@ -20,7 +20,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 import pallas_guard
-from pallas_guard import _interpreters
+from pallas_guard._deciding import interpreters as _interpreters
 
 RECORDS = json.loads((Path(__file__).resolve().parent / "data" / "tpu_v5e_records.json").read_text())["cases"]
 PACKING = [case for case in tpu_corpus.cases() if case.name.startswith(("pack.", "unpack."))]

@@ -1,7 +1,7 @@
 """Mosaic-TPU kernels for the TPU compile check: each one built as a user builds it (no
 ``interpret=``), with inputs from a fixed seed, recorded on a real TPU v5e
 (``benchmarks/tpu_record.py``, ``tests/data/tpu_v5e_records.json``) and compiled here with libtpu's
-own compiler for a TPU this host lacks (``pallas_guard._tpu_compile``).
+own compiler for a TPU this host lacks (``pallas_guard._running.tpu_compile``).
 
 The cases cover what a TPU accepts and refuses, at each of its three gates: JAX's Python lowering
 (block tiling, 1-D blocks, primitives without a TPU rule), libtpu's compiler (VMEM and SMEM

@@ -1,0 +1,158 @@
+"""The ``compile`` check: a Mosaic-TPU kernel the guard interprets is also compiled by the TPU's
+own compiler (libtpu, deviceless, on the CPU host), for the device setting's TPU generation.
+
+JAX's Python lowering is the first of three places a TPU refuses a kernel; libtpu's Mosaic passes
+are the second (VMEM exhaustion, vector types a generation cannot load, lane offsets it cannot
+prove aligned). libtpu compiles for a topology with no hardware (``_tpu_compile``), so a CPU run
+gives the TPU's verdict and the TPU's message. A refusal is a finding that is also an instance of
+the error the TPU raises (``MosaicError``, ``JaxRuntimeError`` for resource limits), so a test
+that expects the TPU to refuse a kernel passes on a CPU too; a kernel that compiles is silent, and
+its decision says what VMEM and SMEM it uses against the generation's limit.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Any
+
+from pallas_guard._checks import lowering as _lowering_check
+from pallas_guard._checks import protocol as _checks
+from pallas_guard._deciding import diagnostics as _diagnostics
+from pallas_guard._running import tpu_compile as _tpu_compile
+from pallas_guard._vocabulary import settings as _settings
+from pallas_guard._vocabulary.errors import PallasGuardError
+from pallas_guard_autoload import device_list
+
+if TYPE_CHECKING:
+    from pallas_guard._guard.engine import Run
+
+DEFAULT_GENERATION = "tpu-v5e"
+
+
+class Compile(_checks.Check):
+    name = "compile"
+    at_front_door = True
+
+    def before(self, run: Run, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _checks.Prepared:
+        __tracebackhide__ = True
+        target = _lowering_check.target_for(run.kernel.facts.family, _settings.current("device").value)
+        if isinstance(target, str) or target.platform != "tpu":
+            return _checks.Prepared("compile: not checked: not a TPU kernel (the TPU's compiler judges TPU kernels)")
+
+        def unchecked(why: str) -> _checks.Prepared:
+            return _checks.Prepared(_checks.unchecked(self.name, why, kernel=run.kernel.info, call_site=run.call_site))
+
+        if run.kernel.entry.runs_when_applied:
+            return unchecked(f"{run.kernel.entry.label} runs when built")
+        aborting = _aborting_memory_space(run.kernel.kwargs)
+        if aborting is not None:
+            return unchecked(f"libtpu aborts the process on {aborting} operands")
+        missing = _tpu_compile.available()
+        if missing is not None:
+            return unchecked(missing)
+        compiled: dict[str, str] = {}  # generation -> its usage
+        refused: dict[str, BaseException] = {}
+        for generation in _generations(_settings.current("device").value):
+            outcome = _tpu_compile.compile_kernel(run.kernel.build, args, kwargs, generation)
+            if outcome.unchecked is not None:
+                why = f"for {generation}: {outcome.unchecked}"
+                note = f"compile: not checked {why}"
+                return _checks.Prepared(
+                    _checks.unchecked(self.name, why, kernel=run.kernel.info, call_site=run.call_site, note=note)
+                )
+            if outcome.error is None:
+                compiled[generation] = usage(outcome)
+            else:
+                refused[generation] = outcome.error
+        if not refused:
+            return _checks.Prepared("compile: compiles for " + "; ".join(f"{g}{use}" for g, use in compiled.items()))
+        generation, refusal = next(iter(refused.items()))
+        source = target.source if generation == target.device else "the device setting"
+        if compiled:  # which generations it does compile for: the refusal is this generation's
+            source += f"; it compiles for {_and(list(compiled))}"
+        if len(refused) > 1:
+            source += f"; {_and(list(refused)[1:])} {'refuses' if len(refused) == 2 else 'refuse'} it too"
+        error = _diagnostics.lowering_refused(
+            kernel=run.kernel.info,
+            call_site=run.call_site,
+            target=f"{generation} ({source})",
+            error=refusal,
+            source=_settings.stated("checks"),
+            check=self.name,
+        )
+        finding = as_the_targets(error, refusal)
+        raise _checks.found(self.name, finding, kernel=run.kernel.info, call_site=run.call_site) from None
+
+
+def _generations(setting: str | None) -> list[str]:
+    """The TPU generations to compile for: every one the device setting lists, else the default."""
+    listed = [device for device in device_list(setting) if device in _tpu_compile.GENERATIONS]
+    return listed or [DEFAULT_GENERATION]
+
+
+def _and(parts: list[str]) -> str:
+    return parts[0] if len(parts) == 1 else f"{', '.join(parts[:-1])} and {parts[-1]}"
+
+
+def _aborting_memory_space(kwargs: dict[str, Any]) -> str | None:
+    """A memory space of the kernel's operands that libtpu 0.0.42 refuses by aborting the whole
+    process (a fatal check, not an error), seen on JAX's own TPU tests: host memory, a semaphore
+    output. Such a kernel is not compiled in this process."""
+    import jax
+
+    specs = [kwargs.get(name) for name in ("in_specs", "out_specs", "out_shape")]
+    grid_spec = kwargs.get("grid_spec")
+    specs += [getattr(grid_spec, name, None) for name in ("in_specs", "out_specs")]
+    for leaf in jax.tree_util.tree_leaves(specs, is_leaf=lambda x: hasattr(x, "memory_space")):
+        space = str(getattr(leaf, "memory_space", "") or "").lower()
+        for word in ("host", "semaphore", "sflag"):
+            if word in space:
+                return space
+    return None
+
+
+def usage(outcome: _tpu_compile.Outcome) -> str:
+    """``: VMEM 1.0 MiB of 16.0 MiB, SMEM 8 B of 1.0 MiB`` where the compiler said."""
+    parts = []
+    if outcome.vmem_used is not None and outcome.vmem_limit:
+        parts.append(f"VMEM {_size(outcome.vmem_used)} of {_size(outcome.vmem_limit)}")
+    if outcome.smem_used is not None and outcome.smem_limit:
+        parts.append(f"SMEM {_size(outcome.smem_used)} of {_size(outcome.smem_limit)}")
+    kept = " (cached: an earlier run compiled it)" if outcome.cached else ""
+    return f": {', '.join(parts)}{kept}" if parts else kept
+
+
+def _size(count: int) -> str:
+    for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if count >= scale:
+            return f"{count / scale:.1f} {unit}"
+    return f"{count} B"
+
+
+def as_the_targets(finding: PallasGuardError, refusal: BaseException) -> PallasGuardError:
+    """``finding`` as an instance of both ``PallasGuardError`` and the type the TPU raised (where
+    Python allows the two as bases), so that ``except MosaicError`` catches it as on the chip."""
+    cls = _both(type(refusal))  # type: ignore[arg-type]
+    if cls is PallasGuardError:
+        return finding
+    both = cls(*finding.args)
+    both.__dict__.update(getattr(finding, "__dict__", {}))
+    return both
+
+
+@functools.cache
+def _both(refused: type[BaseException]) -> type[PallasGuardError]:
+    if issubclass(refused, PallasGuardError) or not issubclass(refused, Exception):
+        return PallasGuardError
+    try:
+        # The message is ours: the refusal's own __init__/__str__ (JaxRuntimeError's are C++ ones
+        # that read fields of their own) are not asked for it.
+        namespace = {"__module__": "pallas_guard", "__init__": Exception.__init__, "__str__": Exception.__str__}
+        cls: type[PallasGuardError] = type("PallasGuardError", (PallasGuardError, refused), namespace)
+    except TypeError:  # a base Python cannot combine with ValueError's layout
+        return PallasGuardError
+    cls.__qualname__ = f"PallasGuardError[{refused.__qualname__}]"
+    return cls
+
+
+CHECK = Compile()

@@ -1,0 +1,148 @@
+"""The checks: one protocol the engine calls, one module per check.
+
+A check says what it needs before a kernel runs (``before``: lower or compile the kernel for its
+target, run it in every interpreter), which failure of a run is its finding (``finding``), and what
+it inspects after the run (``after``: the interpreter's race state). The interpreter a check needs
+is the interpreter choice's business (``_interpreters.candidates``); the bounds and races checks
+work inside the plain interpretation too, where the lowering net lowers them (``_bounds.lower``).
+The engine calls the checks in force in ``ORDER``; adding a check means its module, a line in
+``ORDER`` and ``_check``, and the name in the settings table (``pallas_guard_autoload.CHECKS``),
+nothing else.
+
+Every finding of every check goes through :func:`found`: recorded as a decision (action
+``found``, with the check's name) and returned as the ``PallasGuardError`` the caller raises; a
+finding made while a computation runs is carried out of it by ``_findings``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from pallas_guard._vocabulary import record as _record
+from pallas_guard._vocabulary.errors import PallasGuardError
+from pallas_guard_autoload import CHECKS
+
+if TYPE_CHECKING:
+    from pallas_guard._deciding.diagnostics import CallSite, KernelInfo
+    from pallas_guard._guard.engine import Run
+
+
+class Check:
+    """One check; the defaults do nothing, so a check implements only the steps it has."""
+
+    name: ClassVar[str]
+    at_front_door: ClassVar[bool] = False
+    """Whether the front door must act for it under any trace (it runs before the kernel, or needs
+    an interpreter of its own): the plain interpreter alone would be left to the lowering net."""
+
+    def before(self, run: Run, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Prepared | None:
+        """Before the kernel runs, once per kernel identity and shapes (the engine keeps what it
+        returns); raise a finding where the kernel is refused."""
+        return None
+
+    def after(self, run: Run, out: Any, interpreter: str) -> None:
+        """After the kernel ran in ``interpreter`` (``out``: its outputs, tracers under a trace)."""
+
+    def finding(self, run: Run, error: BaseException) -> PallasGuardError | None:
+        """The finding a failed run carries (the kernel's fault, which no other interpreter may
+        hide), or None."""
+        return None
+
+
+class Prepared:
+    """What a check's ``before`` settled: a note for the decision, and, where it ran the kernel
+    to check it, the interpreter whose outputs are the call's result (eager calls only)."""
+
+    __slots__ = ("note", "outputs", "settles")
+
+    def __init__(self, note: str | None = None, *, outputs: Any = None, settles: bool = True) -> None:
+        self.note, self.outputs, self.settles = note, outputs, settles
+
+
+ORDER = ("lowering", "compile", "agree", "races", "bounds")
+"""The order the engine calls the checks in: a kernel its target refuses is never run, so the
+checks that run it come after those that lower or compile it."""
+
+
+def in_force(names: frozenset[str]) -> tuple[Check, ...]:
+    """The checks named, in the engine's order."""
+    return tuple(_check(name) for name in ORDER if name in names and name in CHECKS)
+
+
+def _check(name: str) -> Check:
+    """Each check's module holds its ``CHECK``."""
+    if name == "lowering":
+        from pallas_guard._checks import lowering as _lowering_check
+
+        return _lowering_check.CHECK
+    if name == "compile":
+        from pallas_guard._checks import compile as _compile_check
+
+        return _compile_check.CHECK
+    if name == "agree":
+        from pallas_guard._checks import agree as _agree
+
+        return _agree.CHECK
+    if name == "races":
+        from pallas_guard._checks import races as _races
+
+        return _races.CHECK
+    from pallas_guard._checks import bounds as _bounds
+
+    return _bounds.CHECK
+
+
+def at_front_door(names: frozenset[str]) -> bool:
+    return any(check.at_front_door for check in in_force(names))
+
+
+def unchecked(check: str, why: str, *, kernel: KernelInfo, call_site: CallSite, note: str | None = None) -> str:
+    """A check asked for that cannot run on this kernel (``why``): the note its decision carries
+    (``note``, else ``<check>: not checked: <why>``); under ``require_checks``, raised instead as the
+    ``PallasGuardError`` its call fails with, so a green run never hides a check that did not run.
+
+    Only for a check that applies to the kernel and could not run; a check with nothing to say about
+    a kernel (the TPU's compiler on a Triton kernel) is a plain note."""
+    from pallas_guard._vocabulary import settings as _settings
+    from pallas_guard_autoload import printable
+
+    if not _settings.current("require_checks").value:
+        return note or f"{check}: not checked: {why}"
+    where = f", called at {call_site.user}" if call_site.user else ""
+    error = PallasGuardError(
+        f"pallas_guard: the {check} check cannot run on Pallas kernel {printable(kernel.name)} (built with "
+        f"{kernel.entry_point}{printable(where)}): {printable(why)}.\nA check that was asked for "
+        f"({_settings.stated('checks')}) and could not run fails the call because require_checks is on "
+        f"({_settings.stated('require_checks')}). To fix: remove the cause above, or leave {check} out of the "
+        "checks for this kernel."
+    )
+    raise found(check, error, kernel=kernel, call_site=call_site, why=f"the {check} check could not run")
+
+
+def found(
+    check: str,
+    error: PallasGuardError,
+    *,
+    kernel: KernelInfo,
+    call_site: CallSite,
+    interpreter: str | None = None,
+    why: str | None = None,
+) -> PallasGuardError:
+    """A finding of ``check``: recorded as a decision, returned for the caller to raise."""
+    from pallas_guard._vocabulary import settings as _settings
+
+    policy = _settings.current_policy()
+    _record.note(
+        kernel,
+        called_at=call_site,
+        platforms=("cpu",),  # a finding is made where the guard interprets: on the CPU
+        policy=policy.value,
+        action="found",
+        interpreter=interpreter,
+        reason=str(error).splitlines()[0],
+        layer="front door",
+        policy_source=policy.source,
+        check=check,
+        why=why or f"found by the {check} check",
+    )
+    return error

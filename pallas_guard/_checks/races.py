@@ -1,0 +1,68 @@
+"""The ``races`` check where the kernel runs in an interpreter with a race detector of its own.
+
+A kernel on one core stays in the plain interpreter, which checks races itself (``_dma_races``,
+lowered with the bounds check by ``_bounds.lower``). A kernel in TPU interpret mode (chosen for it,
+or forced) or in the Mosaic-GPU interpreter runs with that interpreter's detector on
+(``_interpreters.candidates``); after the run, the detector's verdict becomes a finding.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from pallas_guard._checks import protocol as _checks
+from pallas_guard._deciding import diagnostics as _diagnostics
+from pallas_guard._jax import internals as _internals
+from pallas_guard._running import findings as _findings
+from pallas_guard._vocabulary.errors import PallasGuardError
+
+if TYPE_CHECKING:
+    from pallas_guard._guard.engine import Run
+
+
+class Races(_checks.Check):
+    name = "races"
+
+    def after(self, run: Run, out: Any, interpreter: str) -> None:
+        # Only the interpreter that ran with the detector has a race state to read: a kernel the
+        # detector could not take (plain, forced or chosen) has none.
+        if run.candidates.detect_races and interpreter in ("tpu", "gpu"):
+            check(out, kernel=run.kernel.info, call_site=run.call_site, interpreter=interpreter)
+
+
+def check(out: Any, *, kernel: _diagnostics.KernelInfo, call_site: _diagnostics.CallSite, interpreter: str) -> None:
+    """Raise the finding if the interpreter found a race running the kernel.
+
+    Run eagerly, the kernel has finished when this returns and the finding is raised here; traced
+    (under jit), a callback that depends on the kernel's output checks after it ran and records the
+    finding, which the jitted call raises. Raised there, it stops the computation before the
+    interpreter's own clean-up (ordered after the outputs): the guard resets the interpreter first,
+    so the next kernel starts clean.
+    """
+    import jax
+
+    def finding() -> PallasGuardError | None:
+        if not _internals.races_found(interpreter):
+            return None
+        _internals.reset_interpreter(interpreter)
+        error = _diagnostics.race_error(kernel=kernel, call_site=call_site, interpreter=interpreter)
+        return _checks.found("races", error, kernel=kernel, call_site=call_site, interpreter=interpreter)
+
+    def record_if_race(*_: Any) -> None:
+        found = finding()
+        if found is not None:
+            _findings.record(found)
+
+    leaves = jax.tree_util.tree_leaves(out)
+    if not leaves:
+        return
+    if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
+        jax.debug.callback(record_if_race, leaves[0])
+        return
+    jax.block_until_ready(out)  # type: ignore[no-untyped-call]
+    found = finding()
+    if found is not None:
+        raise found
+
+
+CHECK = Races()

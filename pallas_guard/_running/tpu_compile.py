@@ -1,0 +1,503 @@
+"""The TPU's own verdict on a CPU: libtpu's compiler, run ahead of time for a TPU this host lacks.
+
+JAX's deviceless ahead-of-time compilation gives a TPU topology without a TPU
+(``jax.experimental.topologies.get_topology_desc``); an argument placed on one of its devices makes
+``jax.jit(f).lower(...).compile()`` run the real TPU compiler (libtpu's Mosaic passes included) on
+this CPU. A kernel is lowered (JAX's Python lowering, phase ``lower``) and compiled (libtpu, phase
+``compile``) for a generation's topology device; a refusal keeps the compiler's own exception
+(``JaxRuntimeError``, Pallas's ``MosaicError``). Where it compiles, the compiler's own scoped VMEM
+allocation for each Mosaic kernel is read from the compiled program.
+
+Nothing here changes ``jax.devices()`` or the default backend: the topology's devices are
+compile-only, and the lowering sees the TPU through the argument shardings and an abstract device
+presented for the call. Needs libtpu (Linux x86-64), the version ``jax[tpu]`` pins.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import functools
+import hashlib
+import importlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import re
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+from pallas_guard._deciding import device as _device
+from pallas_guard._jax import internals as _internals
+
+
+class Generation(NamedTuple):
+    """A TPU generation the compile check targets, with what its compiler reports (measured with
+    libtpu 0.0.42.1 and 0.0.50.1)."""
+
+    topology: str
+    """``get_topology_desc``'s topology name."""
+    chips_per_host_bounds: tuple[int, int, int]
+    chip_config: str
+    """``default``, or ``megacore`` where JAX presents a chip's two TensorCores as one device (v4)."""
+    accelerator_type: str
+    """The ``TPU_ACCELERATOR_TYPE`` a TPU VM of this generation has (quiets libtpu's start-up)."""
+    scoped_vmem_limit: int
+    """The compiler's default scoped VMEM limit for a kernel (bytes), without ``vmem_limit_bytes``."""
+    vmem_capacity: int
+    """The VMEM of one TensorCore (bytes): the most a ``vmem_limit_bytes`` can give."""
+    smem_capacity: int
+
+
+_MIB = 1 << 20
+
+GENERATIONS: dict[str, Generation] = {
+    "tpu-v4": Generation("v4:2x2x1", (2, 2, 1), "megacore", "v4-8", 16 * _MIB, 16 * _MIB, _MIB),
+    "tpu-v5e": Generation("v5e:1x1", (1, 1, 1), "default", "v5litepod-1", 16 * _MIB, 128 * _MIB, _MIB),
+    "tpu-v5p": Generation("v5p:2x2x1", (2, 2, 1), "default", "v5p-8", 16 * _MIB, 64 * _MIB, _MIB),
+    "tpu-v6e": Generation("v6e:1x1", (1, 1, 1), "default", "v6e-1", 32 * _MIB, 128 * _MIB, _MIB),
+    "tpu7x": Generation("tpu7x:2x2x1", (2, 2, 1), "default", "tpu7x-8", 32 * _MIB, 64 * _MIB, _MIB),
+}
+"""Device-setting short names (``pallas_guard_autoload.DEVICES``) -> the topology compiled for."""
+
+LIBTPU_PINS = {
+    "0.7.2": "0.0.23",
+    "0.8.3": "0.0.32.*",
+    "0.9.2": "0.0.37.*",
+    "0.10.2": "0.0.42.*",
+    "0.11.0": "0.0.44.*",
+    "0.11.2": "0.0.48.*",
+    "0.12.0.1": "0.0.50.*",
+    "0.12.1": "0.0.53.*",
+}
+"""The libtpu each jax release's ``tpu`` extra pins (read from each release's metadata), where the
+installed jax's own metadata cannot say: the one table of them (``.ci/run`` and the docs point here)."""
+
+PHASES = ("lower", "compile")
+
+
+class Outcome(NamedTuple):
+    """What the TPU compiler said of one kernel (one jitted program) for one generation."""
+
+    generation: str
+    phase: str | None
+    """None where it compiled; ``"lower"`` (JAX's Python lowering refused it) or ``"compile"`` (libtpu)."""
+    error: BaseException | None = None
+    """The refusal, as raised (its type kept)."""
+    message: str | None = None
+    """The refusal's first meaningful line."""
+    vmem_used: int | None = None
+    """The compiler's scoped VMEM allocation (bytes), the largest over the program's Mosaic kernels."""
+    vmem_limit: int | None = None
+    """The scoped VMEM limit that kernel compiled under: its ``vmem_limit_bytes``, else the generation's."""
+    smem_used: int | None = None
+    """An estimate: the bytes of the SMEM operands the Mosaic kernel declares (scalar prefetch, SMEM
+    blocks and scratch, unpadded), the largest over the kernels. libtpu reports no SMEM use."""
+    smem_limit: int | None = None
+    kernels: int = 0
+    """Mosaic kernels in the compiled program."""
+    seconds: float = 0.0
+    """Wall time of the lowering and the compile (the topology, made once per process, excluded)."""
+    unchecked: str | None = None
+    """Why the compile could not run here (not a verdict on the kernel); None where it ran."""
+    cached: bool = False
+    """Read from the verdicts cache (``verdicts_dir``): compiled by an earlier run, not this one."""
+
+
+# --- availability ---------------------------------------------------------------------------------
+
+
+def libtpu_pin(jax_version: str | None = None) -> str | None:
+    """The libtpu requirement of ``jax[tpu]`` for the installed jax (its metadata), else for a
+    release in ``LIBTPU_PINS``; e.g. ``"0.0.42.*"``."""
+    installed = _distribution_version("jax")
+    version = jax_version or installed
+    if version is not None and version == installed:
+        for requirement in importlib.metadata.requires("jax") or ():
+            match = re.match(r"\s*libtpu\s*==\s*([^;\s]+)\s*;(.*)", requirement)
+            if match and "tpu" in match.group(2):
+                return match.group(1)
+    return LIBTPU_PINS.get(version or "")
+
+
+def install_command() -> str:
+    """The command that installs the libtpu this jax's ``tpu`` extra pins, saying so."""
+    pin = libtpu_pin()
+    jax_version = _distribution_version("jax") or "?"
+    if pin is None:
+        return f'pip install "jax[tpu]=={jax_version}"'
+    return f'pip install "libtpu=={pin}" (the libtpu jax[tpu]=={jax_version} pins)'
+
+
+def available() -> str | None:
+    """None where this process can compile for a TPU without one; else why not, in one line, with
+    the install command. Cheap: libtpu is found, not loaded."""
+    try:
+        import jax  # noqa: F401
+        from jax.experimental import topologies
+    except ImportError as error:
+        return f"the TPU compile check needs jax with jax.experimental.topologies ({error})"
+    if not hasattr(topologies, "get_topology_desc"):
+        return f"jax {_internals.jax_version()} has no deviceless TPU topology (get_topology_desc)"
+    library = os.environ.get("TPU_LIBRARY_PATH")
+    try:
+        found = importlib.util.find_spec("libtpu") is not None
+    except (ImportError, ValueError):  # a broken or blocked libtpu module
+        found = False
+    if not (library and os.path.isfile(library)) and not found:
+        return f"libtpu is not installed (Linux x86-64 only): {install_command()}"
+    pin = libtpu_pin()
+    installed = _distribution_version("libtpu")
+    if pin is not None and installed is not None and not _matches(installed, pin):
+        return (
+            f"libtpu {installed} is installed, but jax {_internals.jax_version()} pins libtpu=={pin}: "
+            f"{install_command()}"
+        )
+    return None
+
+
+def _distribution_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _matches(version: str, pin: str) -> bool:
+    return version.startswith(pin[:-1]) if pin.endswith("*") else version == pin
+
+
+# --- the topology -----------------------------------------------------------------------------------
+
+_lock = threading.Lock()
+_devices: dict[str, Any] = {}
+"""Generation -> its topology's first device, or the reason the topology API gave for refusing it."""
+
+
+def topology_device(generation: str) -> Any:
+    """The first device of ``generation``'s deviceless topology (a compile-only ``Device``), or a
+    one-line reason (a str) where it cannot be made. Made once per process and generation."""
+    if generation not in GENERATIONS:
+        return f"no TPU topology for {generation!r} (known: {', '.join(GENERATIONS)})"
+    with _lock:
+        if generation not in _devices:
+            _devices[generation] = _make_device(generation)
+        return _devices[generation]
+
+
+def _make_device(generation: str) -> Any:
+    missing = available()
+    if missing is not None:
+        return missing
+    from jax.experimental import topologies
+
+    spec = GENERATIONS[generation]
+    try:
+        with _deviceless_start(spec):
+            topology = topologies.get_topology_desc(
+                platform="tpu",
+                topology_name=spec.topology,
+                chip_config_name=spec.chip_config,
+                chips_per_host_bounds=spec.chips_per_host_bounds,
+                num_slices=1,
+            )
+        return topology.devices[0]
+    except (MemoryError, RecursionError):
+        raise
+    except Exception as error:
+        lines = str(error).strip().splitlines()
+        return f"the TPU topology {spec.topology} was refused: {type(error).__name__}: {lines[0] if lines else ''}"
+
+
+@contextlib.contextmanager
+def _deviceless_start(spec: Generation) -> Iterator[None]:
+    """libtpu, started on a host without a TPU, prints warnings (from C++, on fd 2) unless the
+    environment names its accelerator type and workers, and takes a host-wide lock
+    (``/tmp/libtpu_lockfile``) that makes a second process's start fail (``pytest -n``) unless
+    ``ALLOW_MULTIPLE_LIBTPU_LOAD`` is set. Where libtpu has not yet started and this host has no
+    TPU, each of those left unset is set for the start only."""
+    if not _first_start():
+        yield
+        return
+    wanted = {
+        "TPU_ACCELERATOR_TYPE": spec.accelerator_type,
+        "TPU_WORKER_HOSTNAMES": "localhost",
+        "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
+    }
+    if "TPU_ACCELERATOR_TYPE" in os.environ or "TPU_WORKER_HOSTNAMES" in os.environ:
+        # A half-described TPU VM is the user's to describe: only the lock is relaxed.
+        wanted = {"ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+    added = [name for name in wanted if name not in os.environ]
+    os.environ.update({name: wanted[name] for name in added})
+    try:
+        yield
+    finally:
+        for name in added:
+            os.environ.pop(name, None)
+
+
+def _first_start() -> bool:
+    """Whether libtpu has not yet started in this process and no TPU is attached to this host."""
+    try:
+        xla_client: Any = importlib.import_module("jax._src.lib").xla_client
+        if xla_client.pjrt_plugin_loaded("tpu") and xla_client.pjrt_plugin_initialized("tpu"):
+            return False
+        hardware: Any = importlib.import_module("jax._src.hardware_utils")
+        chips, _ = hardware.num_available_tpu_chips_and_device_id()
+    except (ImportError, AttributeError, OSError):
+        return False  # cannot tell: leave libtpu's start as it is
+    return int(chips) == 0
+
+
+# --- the compile ------------------------------------------------------------------------------------
+
+_NOT_THE_KERNELS = ("Unsupported TPU device kind", "AbstractDevice")
+"""Words of lowering errors that say the TPU device did not reach the lowering."""
+
+_IN_A_MESH = "Received incompatible devices for jitted computation"
+"""jit's words for operands placed on the TPU topology while a mesh of this host's devices is in
+force (``jax.set_mesh``): where the check is, not the kernel."""
+
+
+def compile_kernel(
+    build: Callable[[], Callable[..., Any]], args: tuple[Any, ...], kwargs: dict[str, Any], generation: str
+) -> Outcome:
+    """Lower and compile what ``build()`` returns (the user's callable, built without ``interpret=``),
+    called with the shapes and dtypes of ``args``/``kwargs`` (arrays, tracers, ``ShapeDtypeStruct``)
+    placed on ``generation``'s topology device, with libtpu's compiler."""
+    device = topology_device(generation)
+    spec = GENERATIONS.get(generation)
+    smem_limit = spec.smem_capacity if spec else None
+    if isinstance(device, str):
+        return Outcome(generation, None, smem_limit=smem_limit, unchecked=device)
+    import jax
+
+    on_the_tpu = jax.sharding.SingleDeviceSharding(device)
+    avals, kwavals = _placed((args, kwargs), on_the_tpu)
+    start = time.perf_counter()
+    try:
+        # The topology device's own kind and cores: Pallas's TPU lowering (1-D blocks, `sign`) and
+        # host code (`get_tpu_info()`) ask the abstract device, else this CPU. The outputs are
+        # placed there too: a kernel without array inputs would otherwise compile for the CPU.
+        with _device.presented(generation, like=device), _internals.retrace_logs_muted():
+            lowered = jax.jit(build(), out_shardings=on_the_tpu).lower(*avals, **kwavals)
+    except (MemoryError, RecursionError):
+        raise
+    except Exception as error:
+        seconds = time.perf_counter() - start
+        message = first_line(error)
+        if any(words in message for words in _NOT_THE_KERNELS):
+            return Outcome(generation, None, smem_limit=smem_limit, seconds=seconds, unchecked=message)
+        if _IN_A_MESH in message:
+            why = "called under a mesh of this host's devices (jax.set_mesh), where the check cannot place it on a TPU"
+            return Outcome(generation, None, smem_limit=smem_limit, seconds=seconds, unchecked=why)
+        return Outcome(generation, "lower", error, message, smem_limit=smem_limit, seconds=seconds)
+    cache = _verdict_file(lowered, generation)
+    known = _read_verdict(cache)
+    if known is not None:
+        usage = known
+    else:
+        try:
+            compiled = lowered.compile()
+        except (MemoryError, RecursionError):
+            raise
+        except Exception as error:
+            seconds = time.perf_counter() - start
+            return Outcome(generation, "compile", error, first_line(error), smem_limit=smem_limit, seconds=seconds)
+        usage = memory(compiled.as_text() or "", generation)
+        _write_verdict(cache, usage)
+    return Outcome(
+        generation,
+        None,
+        vmem_used=usage.vmem_used,
+        vmem_limit=usage.vmem_limit,
+        smem_used=usage.smem_used,
+        smem_limit=smem_limit,
+        kernels=usage.kernels,
+        seconds=time.perf_counter() - start,
+        cached=known is not None,
+    )
+
+
+# --- the verdicts cache -------------------------------------------------------------------------------
+# libtpu's compile of even a tiny kernel costs 25-50 ms of CPU, more than an interpreted first call
+# of it; CI runs the same kernels run after run. A kernel that compiled is kept on disk by what was
+# compiled (the lowered module, the Mosaic kernel serialised in it), for which generation, with
+# which jax and libtpu: the same input to the same compiler. A refusal is never kept: it is compiled
+# again, so its error is the compiler's own, raised now.
+
+
+def verdicts_dir() -> str:
+    """Where compiles that succeeded are kept: ``$XDG_CACHE_HOME/pallas_guard/tpu-compiles`` (else
+    ``~/.cache/...``). Delete it to compile everything again."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "pallas_guard", "tpu-compiles")
+
+
+def _verdict_file(lowered: Any, generation: str) -> str | None:
+    try:
+        text = lowered.as_text()
+    except Exception:  # a lowering that cannot print itself is compiled every time
+        return None
+    library = os.environ.get("TPU_LIBRARY_PATH") or ""
+    if library and os.path.isfile(library):
+        library += f"@{os.path.getmtime(library)}"
+    # The compiler's flags change its verdict too (LIBTPU_INIT_ARGS can set the scoped VMEM limit).
+    flags = tuple(os.environ.get(name, "") for name in ("LIBTPU_INIT_ARGS", "XLA_FLAGS"))
+    compiler = (repr(GENERATIONS.get(generation)), *_versions(), library, *flags)
+    digest = hashlib.sha256("\0".join((*compiler, generation, text)).encode()).hexdigest()
+    return os.path.join(verdicts_dir(), f"{digest}.json")
+
+
+@functools.cache
+def _versions() -> tuple[str, ...]:
+    """jax, jaxlib and libtpu: read once (their metadata does not change in a process)."""
+    return (_internals.jax_version() or "", *(_distribution_version(n) or "" for n in ("jaxlib", "libtpu")))
+
+
+def _read_verdict(path: str | None) -> Memory | None:
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as file:
+            fields = json.load(file)
+        known = Memory(**fields)
+    except (OSError, ValueError, TypeError):  # absent, unreadable or not ours: compile
+        return None
+    numbers = (known.vmem_used, known.vmem_limit, known.smem_used)
+    if not isinstance(known.kernels, int) or not all(n is None or isinstance(n, int) for n in numbers):
+        return None
+    return known
+
+
+def _write_verdict(path: str | None, usage: Memory) -> None:
+    if path is None:
+        return
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        # Written whole, then renamed: a reader in another process sees all of it or nothing.
+        temporary = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+        with open(temporary, "w", encoding="utf-8") as file:
+            json.dump(usage._asdict(), file)
+        os.replace(temporary, path)
+    except OSError:  # a read-only home: the compile is not kept, nothing else changes
+        pass
+
+
+def _placed(tree: Any, sharding: Any) -> Any:
+    """Arrays, tracers and ``ShapeDtypeStruct``s as shapes and dtypes on the topology device."""
+    import jax
+
+    shaped: Any = jax.ShapeDtypeStruct
+
+    def place(leaf: Any) -> Any:
+        if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+            return shaped(leaf.shape, leaf.dtype, weak_type=getattr(leaf, "weak_type", False), sharding=sharding)
+        return leaf
+
+    return jax.tree_util.tree_map(place, tree)
+
+
+def first_line(error: BaseException) -> str:
+    """The refusal's first meaningful line: a header that only names an error code
+    (``E1001: CompileTimeScopedVmemOom:``) is joined with the line that says what ran out."""
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    if not lines:
+        return type(error).__name__
+    line = lines[0]
+    if line.endswith(":") and len(lines) > 1:
+        line = f"{line} {lines[1]}"
+    return line[:500]
+
+
+# --- the compiler's numbers ---------------------------------------------------------------------
+
+
+class Memory(NamedTuple):
+    vmem_used: int | None
+    vmem_limit: int | None
+    smem_used: int | None
+    kernels: int
+
+
+_VMEM = "1"
+"""The memory space libtpu's scoped memory configs call VMEM."""
+
+
+def memory(hlo_text: str, generation: str) -> Memory:
+    """The scoped VMEM the compiler allocated (``used_scoped_memory_configs``) and the limit it was
+    held to (``scoped_memory_configs``, where the kernel set ``vmem_limit_bytes``, else the
+    generation's default) for the largest Mosaic kernel of a compiled program's HLO text."""
+    spec = GENERATIONS.get(generation)
+    default_limit = spec.scoped_vmem_limit if spec else None
+    best: tuple[int, int | None] | None = None
+    smem: int | None = None
+    kernels = 0
+    decoder = json.JSONDecoder()
+    marker, key = 'custom_call_target="tpu_custom_call"', "backend_config="
+    # An instruction can span lines (its kernel metadata may hold newlines): read from each call's
+    # target to its backend config, wherever that is.
+    position = hlo_text.find(marker)
+    while position >= 0:
+        following = hlo_text.find(marker, position + len(marker))
+        start = hlo_text.find(key, position)
+        position = following
+        if start < 0 or (0 <= following < start):
+            continue
+        try:
+            config, _ = decoder.raw_decode(hlo_text, start + len(key))
+        except ValueError:
+            continue
+        kernels += 1
+        used = _space_size(config.get("used_scoped_memory_configs"))
+        limit = _space_size(config.get("scoped_memory_configs")) or default_limit
+        if used is not None and (best is None or used > best[0]):
+            best = (used, limit)
+        body = (config.get("custom_call_config") or {}).get("body")
+        declared = smem_declared(body) if isinstance(body, str) else None
+        if declared is not None:
+            smem = max(smem or 0, declared)
+    return Memory(best[0] if best else None, best[1] if best else default_limit, smem, kernels)
+
+
+def _space_size(configs: Any) -> int | None:
+    for entry in configs or ():
+        if str(entry.get("memory_space")) == _VMEM:
+            return int(entry.get("size", 0))
+    return None
+
+
+_SMEM_MEMREF = re.compile(r"memref<((?:\d+x)*)([a-z]+)(\d+)\b[^>]*#tpu\.memory_space<smem>>")
+
+
+def smem_declared(body: str) -> int | None:
+    """The bytes of the SMEM memrefs the Mosaic kernel in a ``tpu_custom_call`` body (base64 MLIR
+    bytecode) takes as operands; None where the body cannot be read here."""
+    try:
+        mlir: Any = importlib.import_module("jax._src.interpreters.mlir")
+        tpu: Any = importlib.import_module("jax._src.lib").tpu
+        mlir_lib: Any = importlib.import_module("jax._src.lib.mlir")
+        ir, passmanager = mlir_lib.ir, mlir_lib.passmanager
+
+        context = mlir.make_ir_context()
+        tpu.register_dialect(context)
+        with context, ir.Location.unknown():
+            context.allow_unregistered_dialects = True
+            module = ir.Module.parse(base64.b64decode(body))
+            passmanager.PassManager.parse("builtin.module(mosaic-serde{serialize=false})").run(module.operation)
+            kernels = [op for op in module.body.operations if "scalar_prefetch" in op.attributes]
+            total = 0
+            for op in kernels[:1]:
+                for argument in op.regions[0].blocks[0].arguments:
+                    match = _SMEM_MEMREF.search(str(argument.type))
+                    if match:
+                        elements = 1
+                        for dim in filter(None, match.group(1).split("x")):
+                            elements *= int(dim)
+                        total += elements * max(int(match.group(3)), 8) // 8
+            return total if kernels else None
+    except Exception:  # an unreadable body (another bytecode version): no estimate, not an error
+        return None

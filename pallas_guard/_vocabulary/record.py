@@ -1,0 +1,166 @@
+"""``decisions()``: what the guard did, oldest first; thread-safe."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass
+
+from pallas_guard._vocabulary.enums import Policy
+from pallas_guard_autoload import printable
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+    from pallas_guard._deciding.diagnostics import CallSite, KernelInfo
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """One thing the guard did (or chose not to do) with one Pallas kernel."""
+
+    kernel: str
+    """The kernel function's name (or the ``name=`` given to the entry point)."""
+    defined_at: str | None
+    """``file:line`` where the kernel function is defined."""
+    called_at: str | None
+    """``file:line`` of the user's call: the first frame in the user's own code (not jax,
+    pallas_guard, the standard library or an installed distribution)."""
+    platforms: tuple[str, ...]
+    """The platform(s) the kernel was being traced or lowered for."""
+    policy: Policy
+    action: str
+    """``"interpreted"``, ``"refused"``, ``"untouched"``, or ``"found"`` (a check's finding)."""
+    interpreter: str | None
+    """``"plain"``, ``"tpu"`` or ``"gpu"`` when interpreted, else None."""
+    reason: str
+    """Why, in the plan's words: the policy and target, the interpreter's choice, what was tried."""
+    layer: str
+    """``"front door"`` (decided when the kernel was called, before JAX traced it) or ``"lowering"``
+    (decided when JAX lowered it for the CPU)."""
+    warned: bool = False
+    entry_point: str = "pallas_call"
+    via: str | None = None
+    """``file:line`` of the library code that called the entry point on the user's behalf, if any."""
+    tried: tuple[str, ...] = ()
+    """The interpreters verified before the choice, in order, each with its outcome."""
+    steps: int | None = None
+    """The grid steps an interpreted kernel runs (or would have run, refused over the budget)."""
+    policy_source: str = ""
+    """Where the policy came from: ``PALLAS_GUARD_POLICY``, ``PALLAS_INTERPRET``, an API call, ..."""
+    notes: tuple[str, ...] = ()
+    """What the checks asked for mean for this kernel: that they cannot apply to it, and why; or
+    that they chose an interpreter much slower than the one it runs in unchecked."""
+    why: str = ""
+    """The one reason sentence every surface prints: ``reason``, and where it was decided, in words."""
+    check: str | None = None
+    """The check whose finding this is (action ``"found"``), else None."""
+
+    def __repr__(self) -> str:
+        how = f" with the {self.interpreter} interpreter" if self.interpreter else ""
+        platforms = ",".join(self.platforms) or "?"
+        # Paths and names are the user's: escaped, so a repr in a log is one line, uncoloured.
+        return printable(
+            f"<Decision {self.action}{how}: kernel {self.kernel!r} ({self.entry_point}, defined at "
+            f"{self.defined_at or '?'}) called at {self.called_at or '?'}"
+            f"{f' via {self.via}' if self.via else ''} for {platforms} under policy "
+            f"{self.policy.value}: {self.why or self.reason}>"
+        )
+
+
+_lock = threading.Lock()
+_records: list[Decision] = []
+
+
+def add(decision: Decision) -> None:
+    with _lock:
+        _records.append(decision)
+
+
+def note(
+    kernel: KernelInfo,
+    *,
+    called_at: CallSite,
+    platforms: tuple[str, ...],
+    policy: Policy,
+    action: str,
+    interpreter: str | None,
+    reason: str,
+    layer: str,
+    warned: bool = False,
+    tried: tuple[str, ...] = (),
+    steps: int | None = None,
+    policy_source: str = "",
+    notes: tuple[str, ...] = (),
+    why: str = "",
+    check: str | None = None,
+) -> None:
+    """Record what a layer did with ``kernel`` (the facts the diagnostics already gathered)."""
+    add(
+        Decision(
+            kernel=kernel.name,
+            defined_at=kernel.defined_at,
+            called_at=called_at.user,
+            platforms=platforms,
+            policy=policy,
+            action=action,
+            interpreter=interpreter,
+            reason=reason,
+            layer=layer,
+            warned=warned,
+            entry_point=kernel.entry_point,
+            via=called_at.via,
+            tried=tried,
+            steps=steps,
+            policy_source=policy_source,
+            notes=notes,
+            why=why,
+            check=check,
+        )
+    )
+
+
+_collecting = threading.local()
+
+
+@contextlib.contextmanager
+def collecting_notes(into: list[str]) -> Iterator[None]:
+    """Inside, in this thread, notes go to ``into``: the decision they belong to is recorded after
+    (a trial lowering, before the front door commits to the interpreter it tried)."""
+    previous = getattr(_collecting, "notes", None)
+    _collecting.notes = into
+    try:
+        yield
+    finally:
+        _collecting.notes = previous
+
+
+def annotate(kernel: KernelInfo, called_at: CallSite, note_text: str) -> None:
+    """Add ``note_text`` to the latest decision about ``kernel`` called at ``called_at`` (a note a
+    layer learns after it recorded the decision, as when a check cannot be applied at lowering),
+    or to the notes being collected for a decision not yet recorded."""
+    import dataclasses
+
+    collected = getattr(_collecting, "notes", None)
+    if collected is not None:
+        if note_text not in collected:
+            collected.append(note_text)
+        return
+    with _lock:
+        for position in range(len(_records) - 1, -1, -1):
+            decision = _records[position]
+            if decision.kernel == kernel.name and decision.called_at == called_at.user:
+                if note_text not in decision.notes:
+                    _records[position] = dataclasses.replace(decision, notes=(*decision.notes, note_text))
+                return
+
+
+def snapshot() -> list[Decision]:
+    with _lock:
+        return list(_records)
+
+
+def clear() -> None:
+    with _lock:
+        _records.clear()
