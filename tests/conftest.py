@@ -42,9 +42,9 @@ ORIGINAL_PALLAS_CALL = pl.pallas_call
 
 
 def _cpu_rules() -> dict[object, object]:
-    from pallas_guard._jax import internals as _internals
+    from pallas_guard._jax import lowering as jax_lowering
 
-    registry = _internals.lowering_registry()
+    registry = jax_lowering.lowering_registry()
     assert registry is not None
     return dict(registry.cpu)
 

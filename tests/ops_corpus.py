@@ -450,9 +450,9 @@ def _blackwell_matmul(m: Any, a: jax.Array, b: jax.Array) -> jax.Array:
 
 
 def _all() -> list[Case]:
-    from pallas_guard._jax import internals as _internals
+    from pallas_guard._jax import pallas as jax_pallas
 
-    no_gpu_interpreter = None if _internals.gpu_params_class() is not None else NO_GPU_INTERPRETER
+    no_gpu_interpreter = None if jax_pallas.gpu_params_class() is not None else NO_GPU_INTERPRETER
     triton = functools.partial(Case, family="triton")
     tpu = functools.partial(Case, family="mosaic_tpu")
     mgpu = functools.partial(Case, family="mosaic_gpu")

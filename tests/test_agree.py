@@ -221,9 +221,9 @@ def test_a_kernel_without_operands_is_compared_under_jit_and_the_process_lives()
 
 def test_a_vmap_of_the_jitted_function_batches_it_uncompared_and_the_note_says_so(guard: Any) -> None:
     # The guard traced the comparison under jit, unbatched; the vmap batches that trace after.
-    from pallas_guard._jax import internals as _internals
+    from pallas_guard._jax import tracing as jax_tracing
 
-    if _internals.batching_rule_of_our_own() is None:
+    if jax_tracing.batching_rule_of_our_own() is None:
         pytest.skip("jax 0.7 drops a custom_vmap call whose result is unused: it cannot batch the comparison")
     guard("interpret", checks="agree", device="tpu-v5e")
     call = _rows(transcendental, rows=8)

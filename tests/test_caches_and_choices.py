@@ -22,7 +22,8 @@ from jax.experimental import pallas as pl
 import pallas_guard
 from pallas_guard import PallasGuardError
 from pallas_guard._deciding import interpreters as _interpreters
-from pallas_guard._jax import internals as _internals
+from pallas_guard._jax import lookup as jax_lookup
+from pallas_guard._jax import pallas as jax_pallas
 
 X = jnp.arange(16 * 128, dtype=jnp.float32).reshape(16, 128)
 
@@ -263,7 +264,7 @@ GMEM_X = jnp.arange(16.0, dtype=jnp.float32).reshape(2, 8)
 
 @pytest.fixture
 def gpu_interpreter() -> None:
-    if _internals.gpu_params_class() is None:
+    if jax_pallas.gpu_params_class() is None:
         pytest.skip("this jax has no Mosaic-GPU interpreter")
 
 
@@ -294,7 +295,7 @@ def _partitioned(op: Callable[[jax.Array], jax.Array]) -> Callable[[jax.Array], 
     from jax.experimental.custom_partitioning import custom_partitioning
 
     wrapped = custom_partitioning(op)
-    kwargs: dict[str, Any] = {"sharding_rule": "i j -> i j"} if _internals.jax_release() >= (0, 6) else {}
+    kwargs: dict[str, Any] = {"sharding_rule": "i j -> i j"} if jax_lookup.jax_release() >= (0, 6) else {}
     wrapped.def_partition(
         infer_sharding_from_operands=lambda mesh, arg_shapes, result_shape: arg_shapes[0].sharding,
         partition=lambda mesh, arg_shapes, result_shape: (mesh, op, arg_shapes[0].sharding, (arg_shapes[0].sharding,)),

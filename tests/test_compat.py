@@ -1,6 +1,6 @@
 """Compatibility by feature detection: JAX internals made to go missing, and a jax past the range.
 
-Each test removes one internal the way a future jax might (the lookup in ``_internals`` finds
+Each test removes one internal the way a future jax might (the lookup in ``pallas_guard._jax`` finds
 nothing) and checks the guard warns once naming it, keeps every layer that still works, and
 refuses with a diagnostic where it would otherwise silently do nothing.
 """
@@ -19,7 +19,9 @@ from jax.experimental import pallas as pl
 
 import pallas_guard
 from pallas_guard import PallasGuardError, PallasGuardWarning
-from pallas_guard._jax import internals as _internals
+from pallas_guard._jax import lookup as jax_lookup
+from pallas_guard._jax import lowering as jax_lowering
+from pallas_guard._jax import pallas as jax_pallas
 from pallas_guard._surfaces import install as _install
 from pallas_guard._vocabulary.entry_points import BY_LABEL
 
@@ -27,8 +29,8 @@ from pallas_guard._vocabulary.entry_points import BY_LABEL
 @pytest.fixture(autouse=True)
 def _fresh_missing(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Each test starts with no internal reported missing (the real ones are process-wide)."""
-    monkeypatch.setattr(_internals, "missing", {})
-    monkeypatch.setattr(_internals, "_warned_missing", set())
+    monkeypatch.setattr(jax_lookup, "missing", {})
+    monkeypatch.setattr(jax_lookup, "_warned_missing", set())
     yield
     pallas_guard.uninstall()  # before monkeypatch puts the real lookups back
 
@@ -43,7 +45,7 @@ def _install_recording(policy: str = "interpret", **kwargs: str) -> list[str]:
 def test_missing_registries_warn_once_keep_the_front_door_and_refuse(
     monkeypatch: pytest.MonkeyPatch, xs: jax.Array
 ) -> None:
-    monkeypatch.setattr(_internals, "lowering_registry", lambda: None)
+    monkeypatch.setattr(jax_lowering, "lowering_registry", lambda: None)
     messages = _install_recording("interpret")
     assert len(messages) == 1
     assert "JAX internal 'jax.interpreters.mlir registries' not found in jax" in messages[0]
@@ -72,12 +74,12 @@ def test_missing_registries_warn_once_keep_the_front_door_and_refuse(
 
 
 def test_missing_pallas_call_primitive(monkeypatch: pytest.MonkeyPatch, xs: jax.Array) -> None:
-    monkeypatch.setattr(_internals, "pallas_call_primitive", lambda: None)
+    monkeypatch.setattr(jax_pallas, "pallas_call_primitive", lambda: None)
     messages = _install_recording("warn")
     assert [m for m in messages if "'pallas_call_p' not found" in m], messages
     status = _install.status()
     assert "pallas_call" in status.lowering_net_gaps
-    if _internals.has_mpmd_module():  # the other net (pl.kernel, jax >= 0.9.1) is still installed
+    if jax_pallas.has_mpmd_module():  # the other net (pl.kernel, jax >= 0.9.1) is still installed
         assert len(status.lowering_rules) == 1 and "mpmd_map" not in status.lowering_net_gaps
         assert _install.installation.lowering_net_gap(BY_LABEL["pl.kernel"]) is None
     with pytest.raises(PallasGuardError, match="CPU lowering net for pallas_call is not installed"):
@@ -85,13 +87,13 @@ def test_missing_pallas_call_primitive(monkeypatch: pytest.MonkeyPatch, xs: jax.
 
 
 def test_missing_common_rule(monkeypatch: pytest.MonkeyPatch, xs: jax.Array) -> None:
-    primitive = _internals.pallas_call_primitive()
-    real = _internals.LoweringRegistry.common_rule
+    primitive = jax_pallas.pallas_call_primitive()
+    real = jax_lowering.LoweringRegistry.common_rule
 
-    def common_rule(self: _internals.LoweringRegistry, p: object) -> object:
+    def common_rule(self: jax_lowering.LoweringRegistry, p: object) -> object:
         return None if p is primitive else real(self, p)
 
-    monkeypatch.setattr(_internals.LoweringRegistry, "common_rule", common_rule)
+    monkeypatch.setattr(jax_lowering.LoweringRegistry, "common_rule", common_rule)
     messages = _install_recording("interpret")
     assert [m for m in messages if f"'lowering rule of {primitive}' not found" in m], messages
     with pytest.raises(PallasGuardError, match="lowering rule of pallas_call"):
@@ -99,9 +101,9 @@ def test_missing_common_rule(monkeypatch: pytest.MonkeyPatch, xs: jax.Array) -> 
 
 
 def test_missing_mpmd_primitive_keeps_the_pallas_call_net(monkeypatch: pytest.MonkeyPatch, xs: jax.Array) -> None:
-    if not _internals.has_mpmd_module():
+    if not jax_pallas.has_mpmd_module():
         pytest.skip("this jax has no mpmd_map (pl.kernel lowers through pallas_call_p before 0.9.1)")
-    monkeypatch.setattr(_internals, "mpmd_map_primitive", lambda: None)
+    monkeypatch.setattr(jax_pallas, "mpmd_map_primitive", lambda: None)
     messages = _install_recording("interpret")
     assert [m for m in messages if "'mpmd_map_p' not found" in m], messages
     assert _install.installation.lowering_net_gap(BY_LABEL["pl.kernel"]) is not None
@@ -112,7 +114,7 @@ def test_missing_mpmd_primitive_keeps_the_pallas_call_net(monkeypatch: pytest.Mo
 
 
 def test_missing_tpu_interpreter_falls_back_to_plain(monkeypatch: pytest.MonkeyPatch, xs: jax.Array) -> None:
-    monkeypatch.setattr(_internals, "tpu_params_class", lambda: None)
+    monkeypatch.setattr(jax_pallas, "tpu_params_class", lambda: None)
     pallas_guard.install("interpret", interpreter="tpu")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -128,9 +130,10 @@ def test_unknown_target_with_missing_net() -> None:
         """
 import json
 import pallas_guard
-from pallas_guard._jax import internals as _internals; from pallas_guard._deciding import target as _target
+from pallas_guard._jax import config as jax_config, lowering as jax_lowering
+from pallas_guard._deciding import target as _target
 pallas_guard.uninstall()
-_internals.lowering_registry = lambda: None
+jax_lowering.lowering_registry = lambda: None
 import warnings; warnings.simplefilter("ignore")
 import jax
 from jax.experimental import pallas as pl
@@ -148,7 +151,7 @@ for plugins in ((), ("jax-cuda12-plugin 0.0.0",)):
         outcomes.append("deferred")
     except pallas_guard.PallasGuardError as error:
         outcomes.append(str(error).splitlines()[1])
-print(json.dumps({"outcomes": outcomes, "backends": _internals.backends_initialized()}))
+print(json.dumps({"outcomes": outcomes, "backends": jax_config.backends_initialized()}))
 """,
         env={"JAX_PLATFORMS": ""},
     )
@@ -182,7 +185,7 @@ def test_newer_jax_is_a_notice_not_a_warning_and_keeps_working(
     """A jax past the range is reported by the pytest header and doctor; installing never warns."""
     monkeypatch.setattr(jax, "__version__", version)
     assert _install_recording("interpret") == []
-    notice = _internals.tested_range_notice()
+    notice = jax_lookup.tested_range_notice()
     assert (notice is not None) == warns
     if notice is not None:
         assert notice.startswith(f"jax {version} is newer than the range pallas_guard was tested with (jax < 0.13)")
@@ -199,10 +202,10 @@ def test_behaviour_is_never_gated_on_the_version_string() -> None:
         path.relative_to(package).as_posix()
         for path in sorted(package.rglob("*.py"))
         if "__version__" in path.read_text()
-        and path.relative_to(package).as_posix() not in {"_jax/internals.py", "_surfaces/cli.py"}
+        and path.relative_to(package).as_posix() not in {"_jax/lookup.py", "_surfaces/cli.py"}
     ]
     assert readers == []
-    source = (package / "_jax" / "internals.py").read_text()
+    source = (package / "_jax" / "lookup.py").read_text()
     assert source.count("__version__") == 1
 
 
@@ -215,7 +218,7 @@ def test_arming_reads_no_name_jax_deprecated_under_warnings_as_errors(
     """A jax that serves a name the guard could read from a deprecating module ``__getattr__`` (as
     0.12.1 does ``pallas_call_p``): arming under ``simplefilter("error")`` reads the route JAX keeps,
     warns nothing, and the guard is armed."""
-    primitive = _internals.pallas_call_primitive()
+    primitive = jax_pallas.pallas_call_primitive()
     asked: list[str] = []
 
     def deprecated(name: str) -> object:
@@ -242,22 +245,22 @@ def test_a_probe_drops_what_jax_warns_and_keeps_the_guards_own_warnings(monkeypa
     """JAX's warning inside a probe is dropped, under "error" too; the guard's own (a missing internal)
     is warned when the probe ends, under the user's filters; the user's once-per-location memory is
     left as it was (a warning shown before is not shown again)."""
-    monkeypatch.setattr(_internals, "missing", {})
-    monkeypatch.setattr(_internals, "_warned_missing", set())
+    monkeypatch.setattr(jax_lookup, "missing", {})
+    monkeypatch.setattr(jax_lookup, "_warned_missing", set())
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("default")
         for _ in range(2):
             warnings.warn("the user's own", UserWarning, stacklevel=1)  # one location: shown once
-            with _internals.probing():
+            with jax_lookup.probing():
                 warnings.warn("a JAX deprecation", DeprecationWarning, stacklevel=1)
-                _internals.note_missing("an internal", "a layer is off")
+                jax_lookup.note_missing("an internal", "a layer is off")
     assert [(w.category, str(w.message).split(";")[0]) for w in caught] == [
         (UserWarning, "the user's own"),
         (PallasGuardWarning, "pallas_guard: JAX internal 'an internal' not found in jax " + jax.__version__),
     ]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        with _internals.probing():
+        with jax_lookup.probing():
             warnings.warn("a JAX deprecation", DeprecationWarning, stacklevel=1)  # dropped, not raised
 
 
@@ -267,8 +270,8 @@ def test_the_supported_range_is_pyprojects_for_jax_jaxlib_and_the_tpu_extra() ->
     import tomllib
 
     project = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
-    bound = _internals.SUPPORTED.removeprefix("jax")
+    bound = jax_lookup.SUPPORTED.removeprefix("jax")
     assert f"jax{bound}" in project["dependencies"]
     assert f"jaxlib{bound}" in project["dependencies"]
     assert project["optional-dependencies"]["tpu"] == [f"jax[tpu]{bound}"]
-    assert bound.endswith("<" + ".".join(map(str, _internals.TESTED_BELOW)))
+    assert bound.endswith("<" + ".".join(map(str, jax_lookup.TESTED_BELOW)))

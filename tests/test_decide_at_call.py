@@ -309,7 +309,8 @@ def test_an_export_for_the_cpu_runs_a_plain_kernel(guard: Callable[..., None]) -
 
 def test_an_eager_verified_call_lowers_the_kernel_once(guard: Callable[..., None]) -> None:
     """The trial lowering is the real one: the first call costs what a hand-written one does."""
-    from pallas_guard._jax import internals as _internals
+    from pallas_guard._jax import lowering as jax_lowering
+    from pallas_guard._jax import pallas as jax_pallas
 
     guard("interpret")
 
@@ -318,14 +319,14 @@ def test_an_eager_verified_call_lowers_the_kernel_once(guard: Callable[..., None
         copy.start()
         copy.wait()
 
-    registry, primitive = _internals.lowering_registry(), _internals.pallas_call_primitive()
+    registry, primitive = jax_lowering.lowering_registry(), jax_pallas.pallas_call_primitive()
     assert registry is not None
     guards_rule = registry.cpu[primitive]
     lowerings = []
 
     def counting_rule(ctx, *args, **params):  # type: ignore[no-untyped-def]
         lowerings.append(params.get("interpret"))
-        return _internals.unwrap_rule(guards_rule)(ctx, *args, **params)  # type: ignore[misc]
+        return jax_lowering.unwrap_rule(guards_rule)(ctx, *args, **params)  # type: ignore[misc]
 
     registry.register_lowering(primitive, counting_rule, platform="cpu")
     try:
@@ -444,7 +445,7 @@ def test_a_kept_interpreter_trace_matches_only_the_equation_it_was_made_from() -
     from jax._src.sharding_impls import ShardingContext
 
     from pallas_guard._guard import engine as _engine
-    from pallas_guard._jax import internals as _internals
+    from pallas_guard._jax import lowering as jax_lowering
 
     def equation(scale: float, x: jax.Array) -> Any:  # traced without the guard: nothing lowers
         jaxpr = jax.jit(functools.partial(_dma_scaled, scale)).trace(x).jaxpr
@@ -470,6 +471,6 @@ def test_a_kept_interpreter_trace_matches_only_the_equation_it_was_made_from() -
     assert traces._take(ctx, {**params, "debug": not params["debug"]}) is None
     in_shard_map = SimpleNamespace(**{**vars(ctx), "module_context": SimpleNamespace(axis_context=None)})
     assert traces._take(in_shard_map, params) is None
-    with _internals.equation_context(kept):  # where JAX calls the lowering rule
+    with jax_lowering.equation_context(kept):  # where JAX calls the lowering rule
         assert traces._take(ctx, params) is not None
         assert traces._take(ctx, params) is None  # replayed once

@@ -20,8 +20,8 @@ process_id, port = int(sys.argv[1]), int(sys.argv[2])
 import pallas_guard
 import jax, jax.numpy as jnp
 from jax.experimental import pallas as pl
-from pallas_guard._jax import internals as _internals
-early = _internals.backends_initialized()
+from pallas_guard._jax import config as jax_config
+early = jax_config.backends_initialized()
 patched = bool(getattr(pl.pallas_call, "_self_pallas_guard", False))
 kwargs = dict(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=process_id,
               initialization_timeout=60)

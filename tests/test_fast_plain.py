@@ -202,10 +202,10 @@ def test_own_kernel_under_the_bounds_check_gives_the_same_bits(name: str, guard:
 
 
 def _exact_here() -> bool:
-    from pallas_guard._jax import internals as _internals
+    from pallas_guard._jax import lookup as jax_lookup
     from pallas_guard._running import plain as _plain
 
-    return _internals.jax_release() >= _plain.EXACT_FROM
+    return jax_lookup.jax_release() >= _plain.EXACT_FROM
 
 
 needs_exact_xla = pytest.mark.skipif(
@@ -334,14 +334,14 @@ def test_a_step_below_the_small_loop_threshold_runs_as_shipped(
     """Blocks of 8 x 8 float32 (256 bytes a step written back): a loop XLA would compile as one small
     call once the read-only write-backs are left out, and JAX's not, so the guard leaves them in,
     except where this XLA compiles every loop so (or the threshold is set to 0: none)."""
-    from pallas_guard._jax import internals as _internals
+    from pallas_guard._jax import lookup as jax_lookup
     from pallas_guard._running import plain as _plain
 
     x = jnp.zeros((64, 8), jnp.float32)
     monkeypatch.delenv("XLA_FLAGS", raising=False)
     shipped = _lowered(guard, False, elementwise, x, x).count("dynamic_update_slice")
     fast = _lowered(guard, True, elementwise, x, x).count("dynamic_update_slice")
-    every_loop_small = _internals.jax_release() >= _plain.EVERY_LOOP_SMALL_FROM
+    every_loop_small = jax_lookup.jax_release() >= _plain.EVERY_LOOP_SMALL_FROM
     assert fast == (shipped - 2 if every_loop_small else shipped)
     monkeypatch.setenv("XLA_FLAGS", "--xla_backend_extra_options=xla_cpu_small_while_loop_byte_threshold=0")
     assert _lowered(guard, True, elementwise, x, x).count("dynamic_update_slice") == shipped - 2

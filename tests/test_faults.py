@@ -33,7 +33,9 @@ from jax.experimental import pallas as pl
 import pallas_guard
 import pallas_guard_autoload
 from pallas_guard._guard import lowering_net as _lowering
-from pallas_guard._jax import internals as _internals
+from pallas_guard._jax import config as jax_config
+from pallas_guard._jax import lowering as jax_lowering
+from pallas_guard._jax import pallas as jax_pallas
 from pallas_guard._surfaces import install as _install
 
 PACKAGE_DIR = REPO_ROOT / "pallas_guard"
@@ -196,7 +198,7 @@ def test_a_guard_that_cannot_arm_says_so_at_the_import_and_at_each_kernel() -> N
         """
 import json, sys
 import pallas_guard
-from pallas_guard._surfaces import install as _install; from pallas_guard._jax import internals as _internals
+from pallas_guard._surfaces import install as _install
 sys.modules["wrapt"] = None
 import jax, jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -430,11 +432,9 @@ def _bound_interpret_values(fn: Any, *args: Any) -> list[Any]:
 def test_interpret_params_reach_jax_by_identity(policy: str, xs: jax.Array) -> None:
     from jax.experimental.pallas import tpu as pltpu
 
-    from pallas_guard._jax import internals as _internals
-
     pallas_guard.install(policy, interpreter="gpu")  # a forced interpreter must not replace the user's
     params = [pltpu.InterpretParams()]
-    gpu_class = _internals.gpu_params_class()
+    gpu_class = jax_pallas.gpu_params_class()
     if gpu_class is not None:
         params.append(gpu_class())
     for value in params:
@@ -466,13 +466,13 @@ def _jax_state() -> dict[str, dict[str, Any]]:
     for name, module in list(sys.modules.items()):
         if module is not None and name.startswith(("jax.experimental.pallas", "jax._src.pallas")):
             state[name] = {k: v for k, v in vars(module).items() if callable(v)}
-    registry = _internals.lowering_registry()
+    registry = jax_lowering.lowering_registry()
     assert registry is not None
     state["mlir._lowerings"] = dict(registry.common)
     mlir = importlib.import_module("jax._src.interpreters.mlir")
     for platform, rules in mlir._platform_specific_lowerings.items():
         state[f"mlir._platform_specific_lowerings[{platform}]"] = dict(rules)
-    state["config"] = {"interpret_mode": _internals.forced_interpret_value()}
+    state["config"] = {"interpret_mode": jax_config.forced_interpret_value()}
     return state
 
 
@@ -561,20 +561,16 @@ def test_the_package_evaluates_nothing_and_imports_only_constant_names() -> None
             name = _call_name(node)
             if isinstance(node.func, ast.Name) and name in dynamic:  # the builtins, not re.compile
                 found.append(f"{path.name}:{node.lineno} calls {name}")
-            # Only _internals (the one place that locates JAX internals) imports by a variable,
+            # Only the JAX layer (the one place that locates JAX internals) imports by a variable,
             # and its variables come from the literal lists its callers pass.
-            if (
-                name in importers
-                and path.relative_to(PACKAGE_DIR).as_posix() != "_jax/internals.py"
-                and not all(map(_is_literal, node.args))
-            ):
+            if name in importers and path.parent.name != "_jax" and not all(map(_is_literal, node.args)):
                 found.append(f"{path.name}:{node.lineno} imports a computed name")
     assert found == []
-    internals = ast.parse((PACKAGE_DIR / "_jax" / "internals.py").read_text())
-    for node in ast.walk(internals):
-        if isinstance(node, ast.Call) and _call_name(node) in importers:
-            assert all(isinstance(arg, ast.Name | ast.Constant | ast.List) for arg in node.args)
-    assert "environ" not in (PACKAGE_DIR / "_jax" / "internals.py").read_text()
+    for path in sorted((PACKAGE_DIR / "_jax").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and _call_name(node) in importers:
+                assert all(isinstance(arg, ast.Name | ast.Constant | ast.List) for arg in node.args)
+        assert "environ" not in path.read_text()
     # The autoload .pth line: a constant import, gated by the variable's presence.
     for pth in REPO_ROOT.glob("*.pth"):
         for node in ast.walk(ast.parse(pth.read_text(), str(pth))):

@@ -17,7 +17,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 import pallas_guard
 from pallas_guard import PallasGuardError, PallasGuardWarning
-from pallas_guard._jax import internals as _internals
+from pallas_guard._jax import lookup as jax_lookup
+from pallas_guard._jax import pallas as jax_pallas
 
 JAX_CPU_ERROR = "Only interpret mode is supported on CPU backend."
 HAS_KERNEL = hasattr(pl, "kernel")
@@ -351,7 +352,7 @@ def test_pl_kernel_with_a_tpu_mesh_is_interpreted_exactly_as_by_hand(guard: Any,
             )
         raise
     assert guarded.tobytes() == by_hand.tobytes()
-    if _internals.mpmd_map_primitive() is not None and "mpmd" in pl.kernel.__wrapped__.__code__.co_names:
+    if jax_pallas.mpmd_map_primitive() is not None and "mpmd" in pl.kernel.__wrapped__.__code__.co_names:
         np.testing.assert_array_equal(guarded, np.asarray(xs) + 10)
     assert pallas_guard.decisions()[-1].action == "interpreted"
 
@@ -360,12 +361,12 @@ def test_pl_kernel_with_a_tpu_mesh_is_interpreted_exactly_as_by_hand(guard: Any,
 def test_pl_kernel_strict_refuses(guard: Any, xs: jax.Array) -> None:
     """Eager: refused at the call, named as built. Under jit: refused where it lowers for the CPU;
     before jax 0.9.1 pl.kernel lowers through JAX's own pallas_call wrapper, which the net names."""
-    from pallas_guard._jax import internals as _internals
+    from pallas_guard._jax import pallas as jax_pallas
 
     guard("strict")
     with pytest.raises(PallasGuardError, match=r"'_kernel_call.<locals>.body' \(built with pl\.kernel\)"):
         _kernel_call(xs)
-    label = r"built with pl\.kernel" if _internals.has_mpmd_module() else r"built with pallas_call"
+    label = r"built with pl\.kernel" if jax_pallas.has_mpmd_module() else r"built with pallas_call"
     with pytest.raises(PallasGuardError, match=label):
         jax.jit(_kernel_call)(xs)
 
@@ -381,7 +382,7 @@ def test_plgpu_kernel_strict_under_jit_names_the_users_body(guard: Any, xs: jax.
         from jax.experimental.pallas import mosaic_gpu as plgpu
     except ImportError as error:  # absl-py missing (jax 0.8.1-0.10.2)
         pytest.skip(f"jax.experimental.pallas.mosaic_gpu does not import here: {error}")
-    if not hasattr(plgpu, "kernel") or _internals.gpu_params_class() is None:
+    if not hasattr(plgpu, "kernel") or jax_pallas.gpu_params_class() is None:
         pytest.skip("this jax has no plgpu.kernel or no Mosaic-GPU interpreter")
     import inspect
 
@@ -425,11 +426,10 @@ def test_core_map_writing_captured_refs_never_returns_zeros(guard: Any, xs: jax.
     body's direct read of an HBM ref, as a TPU would (an error, never a wrong answer); jax 0.7's
     computes x + 3. From 0.11.2: plain, x + 3."""
     from pallas_guard._deciding import interpreters as _interpreters
-    from pallas_guard._jax import internals as _internals
 
     guard("interpret")
     plain_wrong = _interpreters.plain_gets_wrong(_interpreters.GENERIC._replace(captured_refs="captured"))
-    if plain_wrong and _internals.jax_release() >= (0, 8):
+    if plain_wrong and jax_lookup.jax_release() >= (0, 8):
         with pytest.raises(ValueError, match="cannot be referenced directly"):
             jax.jit(_core_map_call)(xs)
         return

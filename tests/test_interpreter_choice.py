@@ -22,7 +22,7 @@ import pallas_guard
 from pallas_guard import PallasGuardError
 from pallas_guard._deciding import interpreters as _interpreters
 from pallas_guard._guard import engine as _engine
-from pallas_guard._jax import internals as _internals
+from pallas_guard._jax import pallas as jax_pallas
 from pallas_guard._vocabulary import settings as _settings
 
 AUTO = _settings.Setting(pallas_guard.Interpreter.AUTO, "default")
@@ -201,7 +201,7 @@ def test_cross_device_kernels_get_tpu_interpret_mode_with_eager_dmas() -> None:
     chosen = _interpreters.candidates(AUTO, facts)
     assert chosen.names == ("tpu",) and not chosen.verify
     value = _engine.interpret_value("tpu", chosen)
-    assert isinstance(value, _internals.tpu_params_class())  # type: ignore[arg-type]
+    assert isinstance(value, jax_pallas.tpu_params_class())  # type: ignore[arg-type]
     assert value.dma_execution_mode == "eager"
     assert "cross-device" in chosen.reason
 
@@ -210,7 +210,7 @@ def test_mosaic_gpu_kernels_try_the_mosaic_gpu_interpreter_first() -> None:
     facts = _interpreters.kernel_facts("plgpu.kernel", copy_kernel, {})
     chosen = _interpreters.candidates(AUTO, facts)
     assert chosen.names == ("gpu",) and not chosen.verify
-    gpu_class = _internals.gpu_params_class()
+    gpu_class = jax_pallas.gpu_params_class()
     if gpu_class is not None:  # jax < 0.9.0 has none
         assert isinstance(_engine.interpret_value("gpu", chosen), gpu_class)
     facts = facts._replace(entry_point="pallas_call")  # a pallas_call with Mosaic-GPU compiler_params
@@ -485,7 +485,7 @@ def test_a_host_memory_output_stays_in_plain_under_races_and_the_note_says_why(g
     guard("interpret", interpreter="tpu")
     with pytest.raises(Exception, match=r"MemorySpace.HOST|safe_zip\(\) argument"):
         jax.jit(call, out_shardings=host)(x)
-    _internals.reset_interpreter("tpu")  # its failure skipped its clean-up
+    jax_pallas.reset_interpreter("tpu")  # its failure skipped its clean-up
     pallas_guard.uninstall()
     jax.clear_caches()
     guard("interpret", checks="races")
@@ -526,7 +526,7 @@ def test_an_output_revisited_at_any_step_stays_in_plain_under_races_and_agree(
     guard("interpret", interpreter="tpu")
     with pytest.raises(Exception, match="Revisited block"):
         jax.block_until_ready(jax.jit(reduction)(x))
-    _internals.reset_interpreter("tpu")  # its failure skipped its clean-up: the next kernel would see it
+    jax_pallas.reset_interpreter("tpu")  # its failure skipped its clean-up: the next kernel would see it
     pallas_guard.uninstall()
     jax.clear_caches()
     guard("interpret", checks=checks)

@@ -25,7 +25,8 @@ from jax.interpreters import mlir
 
 import pallas_guard
 from pallas_guard._deciding import target as _target
-from pallas_guard._jax import internals as _internals
+from pallas_guard._jax import lowering as jax_lowering
+from pallas_guard._jax import pallas as jax_pallas
 from pallas_guard._surfaces import install as _install
 
 X = jax.ShapeDtypeStruct((8, 128), jnp.float32)
@@ -190,9 +191,9 @@ def test_negative_control_a_rule_for_every_platform_is_caught(
 ) -> None:
     """If the guard registered its rule for every platform, the assertion above would fail."""
     f, (platform, *_), custom_call = KERNELS["mosaic_tpu"]
-    registry = _internals.lowering_registry()
+    registry = jax_lowering.lowering_registry()
     assert registry is not None
-    primitive = _internals.pallas_call_primitive()
+    primitive = jax_pallas.pallas_call_primitive()
     common = registry.common_rule(primitive)
     assert common is not None
     platform_rules = mlir._platform_specific_lowerings[platform]

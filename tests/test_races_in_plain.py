@@ -23,7 +23,9 @@ import pytest
 
 import pallas_guard
 from pallas_guard._checks import dma_races as _dma_races
-from pallas_guard._jax import internals as _internals
+from pallas_guard._jax import lookup as jax_lookup
+from pallas_guard._jax import pallas as jax_pallas
+from pallas_guard._jax import state as jax_state
 from pallas_guard._vocabulary.errors import PallasGuardError
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -45,7 +47,7 @@ BLIND = {  # why TPU interpret mode's detector does not report a kind the check 
 
 
 def _runs_here(case: race_corpus.RaceCase) -> bool:
-    return _internals.jax_release() >= case.min_jax and not case.detector.startswith("error")
+    return jax_lookup.jax_release() >= case.min_jax and not case.detector.startswith("error")
 
 
 CASES = [pytest.param(case, id=case.name) for case in race_corpus.CASES]
@@ -71,7 +73,7 @@ def guarded() -> Iterator[Callable[..., None]]:
 
     yield install
     pallas_guard.uninstall()
-    _internals.reset_interpreter("tpu")
+    jax_pallas.reset_interpreter("tpu")
 
 
 def _run(case: race_corpus.RaceCase, *, jit: bool = False) -> tuple[Any, str | None]:
@@ -90,9 +92,9 @@ misses a write into a DMA's destination)."""
 
 
 def _tpu_detector_has_races() -> bool:
-    params = _internals.tpu_params_class()
+    params = jax_pallas.tpu_params_class()
     fields = getattr(params, "__dataclass_fields__", {})
-    return "detect_races" in fields and _internals.jax_release() >= DETECTOR_FROM
+    return "detect_races" in fields and jax_lookup.jax_release() >= DETECTOR_FROM
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -170,7 +172,7 @@ def _instrumented(name: str) -> tuple[dict[str, Any], dict[str, Any], _dma_races
     """(the kernel's params, what the check makes of them, what its findings refer to)."""
     fn, args = race_corpus.case(name).build(True)
     [eqn] = [e for e in jax.make_jaxpr(fn)(*args).jaxpr.eqns if e.primitive.name == "pallas_call"]
-    params = _internals.private_params(dict(eqn.params))
+    params = jax_state.private_params(dict(eqn.params))
     instrumented = _dma_races.Instrumented()
     return params, _dma_races.instrument(params, instrumented), instrumented
 
@@ -221,7 +223,7 @@ def test_a_read_whose_overlap_with_the_dma_in_flight_is_traced_gets_one_check_of
 ) -> None:
     call, args = _read_at(8)
     [eqn] = [e for e in jax.make_jaxpr(call)(*args).jaxpr.eqns if e.primitive.name == "pallas_call"]
-    params = _internals.private_params(dict(eqn.params))
+    params = jax_state.private_params(dict(eqn.params))
     instrumented = _dma_races.Instrumented()
     checked = _dma_races.instrument(params, instrumented)
     assert [p.kind for p in instrumented.points] == [1]  # decided while tracing: no table

@@ -17,7 +17,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 import pallas_guard
 from pallas_guard._deciding import interpreters as _interpreters
-from pallas_guard._jax import internals as _internals
+from pallas_guard._jax import lookup as jax_lookup
 
 X = jnp.arange(8 * 128, dtype=jnp.int32).reshape((8, 128))
 
@@ -72,9 +72,9 @@ def test_the_table_row_for_captured_refs_shows_what_plain_gets_wrong(guard: Call
     (row,) = [gap for gap in _interpreters.GETS_WRONG if gap.fact == "captured_refs"]
     guard("interpret", interpreter="plain")
     out = np.asarray(jax.jit(_stateful_copy)(X))
-    applies = row.below is None or _internals.jax_release() < row.below
+    applies = row.below is None or jax_lookup.jax_release() < row.below
     wrong = int((out != np.asarray(X)).sum())
-    assert (wrong > 0) is applies, f"plain got {wrong} elements wrong on jax {_internals.jax_version()}"
+    assert (wrong > 0) is applies, f"plain got {wrong} elements wrong on jax {jax_lookup.jax_version()}"
 
 
 # --- facts through wrappers ----------------------------------------------------------------------
@@ -87,7 +87,7 @@ def _jitted_body(x_ref, o_ref):  # type: ignore[no-untyped-def]
 
 def test_a_jitted_body_reading_program_id_is_verified_and_runs(guard: Callable[..., None]) -> None:
     """Inside a jitted body, program_id sits in a nested jaxpr, where plain cannot substitute it."""
-    if _internals.jax_release() < (0, 10):
+    if jax_lookup.jax_release() < (0, 10):
         pytest.xfail("TPU interpret mode before jax 0.10 cannot run a jitted kernel body (No constant handler)")
     guard("interpret")
     x = jnp.zeros((2, 128), jnp.float32)
@@ -102,12 +102,12 @@ def test_an_hbm_annotated_aliased_input_runs(guard: Callable[..., None]) -> None
     """Block specs in pltpu.HBM make it a Mosaic-TPU kernel, verified (plain fails it before 0.12)."""
     if not hasattr(pltpu, "with_memory_space_constraint"):
         pytest.skip("this jax has no pltpu.with_memory_space_constraint")
-    if _internals.jax_release() < (0, 8):
+    if jax_lookup.jax_release() < (0, 8):
         pytest.xfail(
             "jax 0.7: the plain interpreter cannot lower the HBM-annotated input (TypeError), and TPU interpret "
             "mode leaves the aliased output's unwritten rows uninitialised (NaN), by hand too"
         )
-    if _internals.jax_release() < (0, 9):
+    if jax_lookup.jax_release() < (0, 9):
         pytest.xfail("jax 0.8: TypeError on the HBM-annotated aval (ShapedArrayWithMemorySpace), by hand too")
     guard("interpret")
 

@@ -28,7 +28,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from pallas_guard._checks import protocol as _checks
 from pallas_guard._deciding import diagnostics as _diagnostics
 from pallas_guard._deciding import interpreters as _interpreters
-from pallas_guard._jax import internals as _internals
+from pallas_guard._jax import lookup as jax_lookup
+from pallas_guard._jax import pallas as jax_pallas
+from pallas_guard._jax import tracing as jax_tracing
 from pallas_guard._running import findings as _findings
 from pallas_guard._vocabulary import record as _record
 from pallas_guard._vocabulary.errors import PallasGuardError
@@ -67,7 +69,7 @@ TOLERANCES: tuple[Tolerance, ...] = (
 def tolerance(first: str, second: str, dtype: str) -> int:
     """The last-place tolerance between interpreters ``first`` and ``second`` for ``dtype`` on this
     jax (0: bit for bit)."""
-    release = _internals.jax_release() or (0,)
+    release = jax_lookup.jax_release() or (0,)
     pair = frozenset({first, second})
     for row in TOLERANCES:
         in_range = release >= row.jax_from and (row.jax_below is None or release < row.jax_below)
@@ -120,7 +122,7 @@ class Agree(_checks.Check):
         for index, name in enumerate(names):
             # What JAX logs while tracing the body (an unused DMA descriptor) is logged once, by the
             # first interpreter's trace: the kernel is traced once as the user sees it.
-            muted = _internals.retrace_logs_muted() if index else contextlib.nullcontext()
+            muted = jax_tracing.retrace_logs_muted() if index else contextlib.nullcontext()
             try:
                 with muted:
                     outputs[name] = run.run_now(name, args, kwargs)
@@ -131,7 +133,7 @@ class Agree(_checks.Check):
                 if finding is not None:
                     raise finding from None
                 if name != "plain":
-                    _internals.reset_interpreter(name)
+                    jax_pallas.reset_interpreter(name)
                 tried.append(f"{name}: failed ({_diagnostics.first_line(error)})")
                 continue
             tried.append(f"{name}: ran")
@@ -180,7 +182,7 @@ def _not_traceable(run: Run, args: tuple[Any, ...], kwargs: dict[str, Any]) -> s
             return f"called under a transformation other than jit ({type(leaf).__name__})"
     # A kernel without operands shows no tracer of the transformation it is called under (a
     # `jax.vmap(kernel, axis_size=2)()`), whose batching of the comparison's branch would fail.
-    trace = _internals.current_trace()
+    trace = jax_tracing.current_trace()
     if trace is not None and type(trace).__name__ != "DynamicJaxprTrace":
         return f"called under a transformation other than jit ({type(trace).__name__})"
     return None
@@ -212,7 +214,7 @@ def _compare_when_run(
     usable = []
     for name in others:
         try:
-            with run.ledger.verification(), _internals.retrace_logs_muted():
+            with run.ledger.verification(), jax_tracing.retrace_logs_muted():
                 jitted: Any = run.jitted(name)
                 jitted.lower(*args, **kwargs)
         except (MemoryError, RecursionError):
@@ -246,7 +248,7 @@ def _compare_when_run(
         chosen_out, call_args, call_kwargs = operands
         # Called, not jitted: XLA (jax 0.12) aborts the process compiling a jitted TPU interpret
         # mode call without operands inside a branch.
-        with _internals.retrace_logs_muted():
+        with jax_tracing.retrace_logs_muted():
             other_outs = [run.variant(n)(*call_args, **call_kwargs) for n in usable]
         jax.debug.callback(compare_on_host, chosen_out, *other_outs)
 
@@ -265,7 +267,7 @@ def _unless_batched(run: Run, gate: Callable[[Any], Any], operands: Any) -> None
     callbacks), nothing is compared and the decision says so."""
     import numpy as np
 
-    batching_rule_of_our_own = _internals.batching_rule_of_our_own()
+    batching_rule_of_our_own = jax_tracing.batching_rule_of_our_own()
     if batching_rule_of_our_own is None:
         gate(operands)
         return

@@ -29,7 +29,10 @@ from typing import TYPE_CHECKING, Any
 from pallas_guard._checks import protocol as _checks
 from pallas_guard._deciding import diagnostics as _diagnostics
 from pallas_guard._deciding.diagnostics import CallSite, KernelInfo
-from pallas_guard._jax import internals as _internals
+from pallas_guard._jax import lowering as jax_lowering
+from pallas_guard._jax import pallas as jax_pallas
+from pallas_guard._jax import source as jax_source
+from pallas_guard._jax import state as jax_state
 from pallas_guard._running import findings as _findings
 from pallas_guard._vocabulary import record as _record
 from pallas_guard._vocabulary import settings as _settings
@@ -99,25 +102,25 @@ def hook(hooks: list[Any]) -> None:
     """Wrap what is not wrapped yet (modules imported since the last call bring new primitives);
     each of ``hooks`` puts one back (``restore()``)."""
     with _hooking:
-        for registry in _internals.discharge_registries():
-            for access in _internals.ref_accesses():
+        for registry in jax_state.discharge_registries():
+            for access in jax_state.ref_accesses():
                 rule = registry.rules.get(access.primitive)
                 if rule is not None and not _is_ours(rule):
                     wrapper = _checking_rule(rule, access, registry.leading)
                     registry.rules[access.primitive] = wrapper
                     hooks.append(TableEntry(registry.rules, access.primitive, rule, wrapper))
-        wrap(_internals.block_mapping_class(), _internals.BLOCK_START, _recording_step, hooks, is_ours=_is_ours)
-        discharge = _internals.state_discharge_module()
-        wrap(discharge, _internals.DISCHARGE_EVALUATOR, _counting_levels, hooks, is_ours=_is_ours)
-        module = _internals.hlo_interpreter_module()
-        wrap(module, _internals.BLOCK_COPY, _checking_block_copy, hooks, is_ours=_is_ours)
+        wrap(jax_pallas.block_mapping_class(), jax_pallas.BLOCK_START, _recording_step, hooks, is_ours=_is_ours)
+        discharge = jax_state.state_discharge_module()
+        wrap(discharge, jax_state.DISCHARGE_EVALUATOR, _counting_levels, hooks, is_ours=_is_ours)
+        module = jax_pallas.hlo_interpreter_module()
+        wrap(module, jax_pallas.BLOCK_COPY, _checking_block_copy, hooks, is_ours=_is_ours)
 
 
 def _is_ours(function: Any) -> bool:
     return getattr(function, "pallas_guard_checking", False) is True
 
 
-def _checking_rule(rule: Callable[..., Any], access: _internals.RefAccess, leading: int) -> Callable[..., Any]:
+def _checking_rule(rule: Callable[..., Any], access: jax_state.RefAccess, leading: int) -> Callable[..., Any]:
     def pallas_guard_checked_discharge(*args: Any, **params: Any) -> Any:
         checking = _checking.get()
         if checking is not None:
@@ -193,12 +196,12 @@ def lower(
 
     from pallas_guard._checks import dma_races as _dma_races
 
-    tools = _internals.lowering_tools()
+    tools = jax_lowering.lowering_tools()
     if tools is None or unchecked_reason("pallas_call", params) is not None:
         return None
     # The checks go in through discharge rules, whose results JAX caches per jaxpr object: a
     # private copy neither reads an unchecked discharge cached before nor leaves a checked one.
-    private = _internals.private_params(params)
+    private = jax_state.private_params(params)
     races = None
     if "races" in checks and _dma_races.has_dmas(private["jaxpr"]):
         races = _dma_races.Instrumented()
@@ -215,14 +218,14 @@ def lower(
                 races = None
     if "bounds" not in checks and races is None:
         return None
-    interpret = _internals.plain_interpreter(private)
+    interpret = jax_pallas.plain_interpreter(private)
     if interpret is None:
         return None
     lower_fun = tools[2]
     state = None
     if "bounds" in checks:
         hook(hooks)
-        if any(eqn.primitive.name == "run_state" for eqn in _internals.jaxpr_equations(params["jaxpr"])):
+        if any(eqn.primitive.name == "run_state" for eqn in jax_state.jaxpr_equations(params["jaxpr"])):
             # Its body is discharged apart from the kernel's accesses: a gap said, not hidden.
             gap = "bounds does not check accesses in pl.run_state bodies"
             note = f"runs partly unchecked: {gap}"
@@ -239,7 +242,7 @@ def lower(
         except Exception:
             # A discharge cut short can leave a checked entry in JAX's discharge cache under a
             # jaxpr the kernel shares, where the unchecked lowering that follows would read it.
-            _internals.forget_discharges()
+            jax_state.forget_discharges()
             raise
         finally:
             _checking.reset(token)
@@ -263,7 +266,7 @@ def unchecked_reason(entry_point: str, params: dict[str, Any]) -> str | None:
         return f"{entry_point} lowers through its own rule, which the check does not reach"
     if getattr(params.get("jaxpr"), "constvars", None):
         return "the kernel captures constants"  # JAX's own rule refuses it
-    if _internals.plain_interpreter(params) is None:
+    if jax_pallas.plain_interpreter(params) is None:
         return "this jax's plain interpreter is not where the guard looks for it"
     return None
 
@@ -306,7 +309,7 @@ def _block_size(dim: Any) -> int:
 
 
 def _check_access(
-    checking: _Checking, access: _internals.RefAccess, operands_flat: Sequence[Any], params: dict[str, Any]
+    checking: _Checking, access: jax_state.RefAccess, operands_flat: Sequence[Any], params: dict[str, Any]
 ) -> None:
     import jax
 
@@ -324,7 +327,7 @@ def _check_access(
     # (bound only for an access that gets a check). Only at the kernel's top level: inside a loop,
     # branch or scope body, JAX's plain interpreter cannot evaluate a program id (it lowers none).
     top_level = checking.discharging[0] == 1
-    step = functools.partial(_internals.program_ids, checking.grid_mapping) if top_level else _no_step
+    step = functools.partial(jax_pallas.program_ids, checking.grid_mapping) if top_level else _no_step
     for role, ref, transforms in indexed(operands):
         if access.kind == "copy":  # a DMA: source, destination, then semaphores
             kind = ("DMA read", "DMA write")[role] if role < 2 else "semaphore access"
@@ -337,7 +340,7 @@ def indexed(operands: Sequence[Any]) -> Iterator[tuple[int, Any, tuple[Any, ...]
     """(role, ref, its transforms) for each indexed ref among an access's operands: a ``(ref,
     transforms)`` pair of neighbours (older jax), or a transformed-ref object. ``role`` counts the
     ref operands, indexed or whole (a DMA's source is 0, its destination 1)."""
-    indexer = _internals.nd_indexer_class()
+    indexer = jax_state.nd_indexer_class()
     pairs = len(operands) > 1 and isinstance(operands[1], tuple | list)
     for position, item in enumerate(operands):
         transforms = getattr(item, "transforms", None)
@@ -359,7 +362,7 @@ NO_SITE = "in the kernel body"
 def site_text(eqn: Any = None) -> str:
     """``file:line (`code`)`` of the kernel line that made an access (the one being discharged, or
     equation ``eqn``'s), else ``NO_SITE``."""
-    found = _internals.access_site(eqn)
+    found = jax_source.access_site(eqn)
     if found is None:
         return NO_SITE
     filename, line, _ = found
@@ -376,7 +379,7 @@ def _check_indexed(kind: str, ref: Any, transforms: tuple[Any, ...], mask: Any, 
     """Check one access through ``transforms``: composed into element ranges of the buffer where
     they are slices and integers (a view may overhang where the elements read do not), one
     indexer at a time otherwise."""
-    indexer_class = _internals.nd_indexer_class()
+    indexer_class = jax_state.nd_indexer_class()
     indexers = [t for t in transforms if indexer_class is not None and isinstance(t, indexer_class)]
     if not indexers:
         return
@@ -412,7 +415,7 @@ _Range = tuple[Any, int, int | None]
 def compose(indexers: Sequence[Any]) -> list[_Range] | None:
     """The element ranges of the buffer a chain of slice/integer indexers accesses, per buffer
     dimension; None where an indexer has index arrays or a dynamic size."""
-    slice_class = _internals.slice_class()
+    slice_class = jax_state.slice_class()
     ranges: list[_Range] = [(0, 1, n) for n in indexers[0].shape]
     for indexer in indexers:
         view = [d for d, (_, _, size) in enumerate(ranges) if size is not None]
@@ -540,7 +543,7 @@ def _check_gather(kind: str, indexer: Any, dtype: str, site: str, step: _Step) -
 
     ok = jnp.bool_(True)
     shown, values = [], []
-    slice_class = _internals.slice_class()
+    slice_class = jax_state.slice_class()
     for index, n in zip(indexer.indices, indexer.shape, strict=True):
         if slice_class is not None and isinstance(index, slice_class):
             if not isinstance(index.size, int):

@@ -34,7 +34,9 @@ import functools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from pallas_guard._jax import internals as _internals
+from pallas_guard._jax import lookup as jax_lookup
+from pallas_guard._jax import pallas as jax_pallas
+from pallas_guard._jax import state as jax_state
 
 SLOTS = 64
 """The DMAs the table follows at once (a kernel with more in flight is a finding of its own kind,
@@ -114,7 +116,7 @@ class Instrumented:
 
 
 def has_dmas(jaxpr: Any) -> bool:
-    return any(eqn.primitive.name in ("dma_start", "dma_wait") for eqn in _internals.jaxpr_equations(jaxpr))
+    return any(eqn.primitive.name in ("dma_start", "dma_wait") for eqn in jax_state.jaxpr_equations(jaxpr))
 
 
 _CALLS = frozenset({"pjit", "jit", "closed_call", "core_call", "remat", "checkpoint", "custom_jvp_call"})
@@ -123,7 +125,7 @@ _HANDLED = _CALLS | {"cond", "while", "scan", "run_scoped"}
 
 def unsupported(jaxpr: Any) -> str | None:
     """Why the check cannot follow this kernel's DMAs, or None."""
-    for eqn in _internals.jaxpr_equations(jaxpr):
+    for eqn in jax_state.jaxpr_equations(jaxpr):
         name = eqn.primitive.name
         if name == "dma_start":
             operands = _unflatten(eqn)
@@ -187,7 +189,7 @@ class _Viewed:
             return self._view
         if not self.transforms:
             return _aval(self.ref)
-        transformed = getattr(_internals.import_optional("jax._src.state.types"), "TransformedRef", None)
+        transformed = getattr(jax_lookup.import_optional("jax._src.state.types"), "TransformedRef", None)
         return transformed(self.ref, self.transforms) if transformed is not None else _aval(self.ref)
 
 
@@ -210,7 +212,7 @@ def instrument(params: dict[str, Any], instrumented: Instrumented) -> dict[str, 
         raise Unsupported("it runs on a core mesh: TPU interpret mode simulates the cores")
     if not dataclasses.is_dataclass(grid_mapping):
         raise Unsupported("this jax's grid mapping cannot take one more scratch operand")
-    state_types = _internals.import_optional("jax._src.state.types")
+    state_types = jax_lookup.import_optional("jax._src.state.types")
     ref_type = getattr(state_types, "AbstractRef", None)
     if ref_type is None:
         raise Unsupported("this jax has no AbstractRef")
@@ -293,7 +295,7 @@ def _operand_buffers(jaxpr: Any, grid_mapping: Any) -> list[Buffer]:
     first_block = grid_mapping.num_index_operands
     pipelined = set()
     for position, mapping in enumerate(grid_mapping.block_mappings):
-        space = str(getattr(_internals.block_aval(mapping), "memory_space", "") or "").lower()
+        space = str(getattr(jax_pallas.block_aval(mapping), "memory_space", "") or "").lower()
         if "any" not in space and "hbm" not in space:
             pipelined.add(first_block + position)
     buffers = []
@@ -316,7 +318,7 @@ def _with_scratch(grid_mapping: Any, avals: tuple[Any, ...]) -> Any:
 
 def _written_inputs(jaxpr: Any) -> set[int]:
     """The positions of the kernel's refs it writes (its write and accumulate effects)."""
-    state = _internals.import_optional("jax._src.state.types")
+    state = jax_lookup.import_optional("jax._src.state.types")
     kinds = tuple(k for k in (getattr(state, "WriteEffect", None), getattr(state, "AccumEffect", None)) if k)
     written = set()
     for effect in getattr(jaxpr, "effects", ()) or ():
@@ -414,8 +416,8 @@ def _trace(kernel: Callable[..., list[Any]], avals: list[Any], like: Any) -> Any
 def _traced_jaxpr(function: Callable[..., Any], avals: list[Any], debug_info: Any) -> tuple[Any, list[Any]]:
     """``function`` traced to a jaxpr over ``avals`` (refs among them), with the values it closes
     over as the jaxpr's constants, as JAX traces a kernel body."""
-    lu: Any = _internals.import_optional("jax._src.linear_util")
-    pe: Any = _internals.import_optional("jax._src.interpreters.partial_eval")
+    lu: Any = jax_lookup.import_optional("jax._src.linear_util")
+    pe: Any = jax_lookup.import_optional("jax._src.interpreters.partial_eval")
     try:
         wrapped = lu.wrap_init(function, debug_info=debug_info)
     except TypeError:  # a jax whose wrap_init takes no debug_info
@@ -440,7 +442,7 @@ def _grid_context(grid_mapping: Any) -> Any:
     trace_env = getattr(grid_mapping, "trace_env", None)
     if callable(trace_env):
         return trace_env()
-    core = _internals.import_optional("jax._src.pallas.core")
+    core = jax_lookup.import_optional("jax._src.pallas.core")
     tracing_grid_env = getattr(core, "tracing_grid_env", None)
     if tracing_grid_env is None:
         return contextlib.nullcontext()
@@ -468,7 +470,7 @@ class _Evaluator:
         self.buffer_ids: dict[Any, int] = {k: k for k in range(len(instrumented.buffers))}
         self.buffer_ids.update(hoisted_ids)
         self.hoisted: dict[Any, Any] = {}
-        self.accesses = {id(a.primitive): a for a in _internals.ref_accesses() if a.kind != "copy"}
+        self.accesses = {id(a.primitive): a for a in jax_state.ref_accesses() if a.kind != "copy"}
 
     # -- evaluation --
 
@@ -616,7 +618,7 @@ class _Evaluator:
         from pallas_guard._checks import bounds as _bounds
 
         shape = self.instrumented.buffers[self._buffer(key)].shape
-        indexer_class = _internals.nd_indexer_class()
+        indexer_class = jax_state.nd_indexer_class()
         indexers = [t for t in transforms if indexer_class is not None and isinstance(t, indexer_class)]
         region: list[tuple[Any, int]] = [(0, n) for n in shape]
         ranges = _bounds.compose(indexers) if len(indexers) > 1 and len(indexers) == len(transforms) else None
@@ -639,7 +641,7 @@ class _Evaluator:
         return int(index) if isinstance(index, int | np.integer) and not isinstance(index, bool) else index
 
     def _indexed(self, indexer: Any, shape: tuple[int, ...]) -> list[tuple[Any, int]]:
-        slice_class = _internals.slice_class()
+        slice_class = jax_state.slice_class()
         region: list[tuple[Any, int]] = []
         for index, n in zip(indexer.indices, shape, strict=False):
             size, stride = getattr(index, "size", None), getattr(index, "stride", 1)
@@ -657,7 +659,7 @@ class _Evaluator:
         return _ends(self._region(key, transforms))
 
     @staticmethod
-    def _accessed(eqn: Any, values: list[Any], how: _internals.RefAccess) -> tuple[Any, ...] | None:
+    def _accessed(eqn: Any, values: list[Any], how: jax_state.RefAccess) -> tuple[Any, ...] | None:
         """The transforms through which an access reaches its ref (None: this jax does not say)."""
         import jax
 
@@ -776,7 +778,7 @@ class _Evaluator:
             hit = lax.bitwise_and(hit, overlap)
         return hit
 
-    def access(self, eqn: Any, values: list[Any], key_of: dict[Any, Any], how: _internals.RefAccess) -> None:
+    def access(self, eqn: Any, values: list[Any], key_of: dict[Any, Any], how: jax_state.RefAccess) -> None:
         from jax import lax
 
         key = key_of[eqn.invars[0]]
@@ -1012,7 +1014,7 @@ class _Decided(_Evaluator):
                     if hit is not False:
                         self._check(hit, kind, site=site, buffer=buffer, region=region, row=row, against=_DST_BOX)
 
-    def access(self, eqn: Any, values: list[Any], key_of: dict[Any, Any], how: _internals.RefAccess) -> None:
+    def access(self, eqn: Any, values: list[Any], key_of: dict[Any, Any], how: jax_state.RefAccess) -> None:
         transforms = self._accessed(eqn, values, how) if self.rows else None
         if transforms is None:
             return

@@ -24,7 +24,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from pallas_guard._checks import protocol as _checks
 from pallas_guard._deciding import device as _device
 from pallas_guard._deciding import diagnostics as _diagnostics
-from pallas_guard._jax import internals as _internals
+from pallas_guard._jax import lookup as jax_lookup
+from pallas_guard._jax import source as jax_source
+from pallas_guard._jax import tracing as jax_tracing
 from pallas_guard._vocabulary import settings as _settings
 from pallas_guard_autoload import DEVICES, device_list
 
@@ -121,7 +123,7 @@ def lowering_api() -> str | None:
         takes = lower is not None and "lowering_platforms" in inspect.signature(lower).parameters
     except (TypeError, ValueError):
         takes = False
-    return None if takes else f"jax {_internals.jax_version()} cannot lower a traced function for a chosen platform"
+    return None if takes else f"jax {jax_lookup.jax_version()} cannot lower a traced function for a chosen platform"
 
 
 _as_the_target: contextvars.ContextVar[bool] = contextvars.ContextVar("pallas_guard_as_the_target", default=False)
@@ -140,7 +142,7 @@ def hook(hooks: list[Any]) -> None:
         pallas_guard_ir_version.pallas_guard_lowering = True  # type: ignore[attr-defined]
         return pallas_guard_ir_version
 
-    module = _internals.import_optional("jax._src.tpu_custom_call")
+    module = jax_lookup.import_optional("jax._src.tpu_custom_call")
     wrap(module, "get_ir_version", current_version, hooks, is_ours=lambda f: hasattr(f, "pallas_guard_lowering"))
 
 
@@ -158,7 +160,7 @@ def check(build: Callable[[], Any], args: tuple[Any, ...], kwargs: dict[str, Any
     hook(_install.installation.hooks)
     token = _as_the_target.set(True)
     try:
-        with _device.presented(target.device), _internals.retrace_logs_muted():
+        with _device.presented(target.device), jax_tracing.retrace_logs_muted():
             jax.jit(build()).trace(*avals, **kwavals).lower(lowering_platforms=(target.platform,))
     except (MemoryError, RecursionError):
         raise
@@ -206,7 +208,7 @@ def _site_of(jaxpr: Any, primitive: str, outer: tuple[str, int, str] | None) -> 
     """The kernel line of the first use of ``primitive``: its equation's, or, inside a helper JAX
     traced (``jnp.sort`` is a jit of its own), the line that called the helper."""
     for eqn in getattr(getattr(jaxpr, "jaxpr", jaxpr), "eqns", ()):
-        site = _internals.access_site(eqn) or outer
+        site = jax_source.access_site(eqn) or outer
         if eqn.primitive.name == primitive:
             return site
         for value in eqn.params.values():

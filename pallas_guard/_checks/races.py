@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from pallas_guard._checks import protocol as _checks
 from pallas_guard._deciding import diagnostics as _diagnostics
-from pallas_guard._jax import internals as _internals
+from pallas_guard._jax import pallas as jax_pallas
 from pallas_guard._running import findings as _findings
 from pallas_guard._vocabulary.errors import PallasGuardError
 
@@ -42,9 +42,9 @@ def check(out: Any, *, kernel: _diagnostics.KernelInfo, call_site: _diagnostics.
     import jax
 
     def finding() -> PallasGuardError | None:
-        if not _internals.races_found(interpreter):
+        if not jax_pallas.races_found(interpreter):
             return None
-        _internals.reset_interpreter(interpreter)
+        jax_pallas.reset_interpreter(interpreter)
         error = _diagnostics.race_error(kernel=kernel, call_site=call_site, interpreter=interpreter)
         return _checks.found("races", error, kernel=kernel, call_site=call_site, interpreter=interpreter)
 

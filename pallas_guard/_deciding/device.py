@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from pallas_guard._deciding import target as _target
-from pallas_guard._jax import internals as _internals
+from pallas_guard._jax import config as jax_config
 from pallas_guard._vocabulary import settings as _settings
 from pallas_guard._vocabulary.enums import Policy
 from pallas_guard_autoload import DEVICES, device_list
@@ -102,7 +102,7 @@ _process = _Process()
 def apply() -> None:
     """Make the process-wide abstract mesh say the device wanted now (install, a new process policy,
     ``jax.experimental.pallas`` imported); a global mesh of the user's own is left alone."""
-    holder = _internals.abstract_mesh_config()
+    holder = jax_config.abstract_mesh_config()
     if holder is None:
         return
     device = wanted()
@@ -121,7 +121,7 @@ def apply() -> None:
 
 def undo() -> None:
     """Put back what the guard replaced (uninstall)."""
-    holder = _internals.abstract_mesh_config()
+    holder = jax_config.abstract_mesh_config()
     with _process.lock:
         if holder is not None and _process.ours is not None and holder.get_global() is _process.ours:
             holder.set_global(_process.previous)
@@ -132,7 +132,7 @@ def undo() -> None:
 def scoped() -> Iterator[None]:
     """Inside a ``policy()`` scope: the device its settings want, where no mesh of the user's is in
     force; the process-wide one taken away where they want none (``strict``, ``device="none"``)."""
-    holder = _internals.abstract_mesh_config()
+    holder = jax_config.abstract_mesh_config()
     if holder is None:
         yield
         return
@@ -156,7 +156,7 @@ def presented(name: str, *, like: Any = None) -> Iterator[None]:
     """Device ``name`` presented while JAX lowers for its platform (the lowering and compile
     checks), where no mesh of the user's own is in force; the user's own mesh wins, as everywhere.
     ``like``: the real device compiled for, whose kind and cores are presented (a topology's)."""
-    holder = _internals.abstract_mesh_config()
+    holder = jax_config.abstract_mesh_config()
     if holder is None:
         yield
         return

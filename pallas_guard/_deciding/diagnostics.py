@@ -13,7 +13,8 @@ from typing import Any, Literal, NamedTuple
 
 from pallas_guard._deciding import interpreters as _interpreters
 from pallas_guard._deciding.target import Target, accelerator_evidence
-from pallas_guard._jax import internals as _internals
+from pallas_guard._jax import lookup as jax_lookup
+from pallas_guard._jax import source as jax_source
 from pallas_guard._vocabulary.enums import Policy
 from pallas_guard._vocabulary.errors import PallasGuardError, PallasGuardWarning
 from pallas_guard._vocabulary.settings import Setting, current, how_to_set
@@ -90,7 +91,7 @@ NOWHERE = CallSite(None)
 
 @functools.lru_cache(maxsize=1)
 def _internal_prefixes() -> tuple[str, ...]:
-    prefixes = [_internals.PACKAGE_DIR + os.sep, "<frozen"]
+    prefixes = [jax_source.PACKAGE_DIR + os.sep, "<frozen"]
     for name in ("jax", "jaxlib", "wrapt", "pallas_guard_autoload"):
         module_file = getattr(sys.modules.get(name), "__file__", None)
         if module_file:
@@ -522,14 +523,14 @@ def not_armed(failure: str) -> str:
     """The one message of a guard that could not arm: which part failed, on which jax, what to do."""
 
     policy = current("policy")
-    jax, jaxlib = _internals.jax_version(), _internals.jax_version("jaxlib")
+    jax, jaxlib = jax_lookup.jax_version(), jax_lookup.jax_version("jaxlib")
     return printable(
         f"pallas_guard could not arm on jax {jax} (jaxlib {jaxlib}): "
         f"{failure}. "
         f"Pallas kernels in this process are not interpreted: each one that lowers for the CPU without "
         f"interpret= is refused with this message (policy {policy.value.value} from {policy.source}). "
         f"To fix: upgrade pallas_guard (pip install -U pallas_guard) or install a jax it supports "
-        f"({_internals.SUPPORTED}); to run without the guard, {how_to_set('policy', Policy.OFF, policy.source)}."
+        f"({jax_lookup.SUPPORTED}); to run without the guard, {how_to_set('policy', Policy.OFF, policy.source)}."
     )
 
 
@@ -632,4 +633,4 @@ def _without_guard_frames(traceback: types.TracebackType | None) -> types.Traceb
 def _guard_prefixes() -> tuple[str, ...]:
     wrapt_file = getattr(sys.modules.get("wrapt"), "__file__", None)
     wrapt_dir = [os.path.dirname(os.path.abspath(wrapt_file)) + os.sep] if wrapt_file else []
-    return (_internals.PACKAGE_DIR + os.sep, *wrapt_dir)
+    return (jax_source.PACKAGE_DIR + os.sep, *wrapt_dir)

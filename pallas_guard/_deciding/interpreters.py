@@ -17,7 +17,9 @@ import types
 from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple
 
-from pallas_guard._jax import internals as _internals
+from pallas_guard._jax import lookup as jax_lookup
+from pallas_guard._jax import pallas as jax_pallas
+from pallas_guard._jax import state as jax_state
 from pallas_guard._vocabulary.enums import Interpreter
 from pallas_guard._vocabulary.settings import Setting
 from pallas_guard_autoload import CHECKS_ENV
@@ -209,7 +211,7 @@ def kernel_facts(entry_point: str, body: object, kwargs: Mapping[str, Any], mesh
     params_objects = list(compiler_params.values()) if isinstance(compiler_params, Mapping) else [compiler_params]
     if isinstance(compiler_params, Mapping):
         for key in compiler_params:
-            family = family or _internals.backend_family(str(key))
+            family = family or jax_pallas.backend_family(str(key))
     grid_spec = kwargs.get("grid_spec")
     scratch = [kwargs.get("scratch_shapes"), kwargs.get("scratch_types"), getattr(grid_spec, "scratch_shapes", None)]
     mesh = mesh if mesh is not None else kwargs.get("mesh")
@@ -226,7 +228,7 @@ def kernel_facts(entry_point: str, body: object, kwargs: Mapping[str, Any], mesh
     for label, obj in sources:
         if family is not None:
             break
-        found = _internals.backend_family(obj) if obj is not None else None
+        found = jax_pallas.backend_family(obj) if obj is not None else None
         if found is not None:
             family = found
             evidence = f"{label} {type(obj).__name__ if not isinstance(obj, str) else repr(obj)} is {found}"
@@ -240,7 +242,7 @@ def kernel_facts(entry_point: str, body: object, kwargs: Mapping[str, Any], mesh
         else:
             cross_device = _body_cross_device(body)
     core_mesh = next(
-        (type(m).__name__ for m in _leaves(mesh) if m is not None and _internals.backend_family(m) == "mosaic_tpu"),
+        (type(m).__name__ for m in _leaves(mesh) if m is not None and jax_pallas.backend_family(m) == "mosaic_tpu"),
         None,
     )
     program_id = _program_id_in_control_flow(body)
@@ -398,7 +400,7 @@ def _captured_refs(body: object) -> str | None:
         else:
             break
     captured += [cell.cell_contents for cell in getattr(function, "__closure__", None) or () if _filled(cell)]
-    refs = sum(1 for value in captured if _internals.is_state_ref(value))
+    refs = sum(1 for value in captured if jax_state.is_state_ref(value))
     return f"its body captures {refs} ref{'s' if refs > 1 else ''} (pl.run_state)" if refs else None
 
 
@@ -473,12 +475,12 @@ GETS_WRONG = (
 
 def gets_wrong(interpreter: str, facts: KernelFacts) -> str | None:
     """Why ``interpreter`` would return a wrong answer for this kernel on this jax, or None."""
-    release = _internals.jax_release()
+    release = jax_lookup.jax_release()
     for gap in GETS_WRONG:
         detected = getattr(facts, gap.fact) if gap.interpreter == interpreter else None
         if detected and (gap.below is None or not release or release < gap.below):
             who = describe_interpreter(gap.interpreter)
-            return f"{detected}, and {who} {gap.wrong} in jax {_internals.jax_version()}"
+            return f"{detected}, and {who} {gap.wrong} in jax {jax_lookup.jax_version()}"
     return None
 
 
@@ -652,10 +654,10 @@ def available(name: str) -> bool:
     """Whether this jax has interpreter ``name`` (a missing one is reported once)."""
     if (
         name == "plain"
-        or (_internals.tpu_params_class() if name == "tpu" else _internals.gpu_params_class()) is not None
+        or (jax_pallas.tpu_params_class() if name == "tpu" else jax_pallas.gpu_params_class()) is not None
     ):
         return True
-    _internals.note_missing(
+    jax_lookup.note_missing(
         f"{name.upper()} interpret params class", f"the {name} interpreter is unavailable; using the plain one"
     )
     return False
@@ -774,7 +776,7 @@ def explain_failure(error: BaseException, *, interpreter: str, family: str | Non
     if isinstance(error, AttributeError | AssertionError) and "cuda_versions" in text:
         return "the kernel's host code asks for the CUDA runtime version, which jaxlib has only with a CUDA plugin"
     if family == "mosaic_gpu" and interpreter != "gpu":
-        have = _internals.gpu_params_class() is not None
+        have = jax_pallas.gpu_params_class() is not None
         return "it is a Mosaic-GPU kernel; only the Mosaic-GPU interpreter implements its primitives" + (
             "" if have else ", and this jax has none (jax >= 0.9.0 has it)"
         )

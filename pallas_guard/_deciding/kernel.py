@@ -17,7 +17,7 @@ from typing import Any
 
 from pallas_guard._deciding import diagnostics as _diagnostics
 from pallas_guard._deciding import interpreters as _interpreters
-from pallas_guard._jax import internals as _internals
+from pallas_guard._jax import pallas as jax_pallas
 from pallas_guard._vocabulary.entry_points import PALLAS_CALL, EntryPoint
 
 
@@ -94,7 +94,7 @@ class Kernel:
             kwargs["interpret"] = interpret
         if marks and _takes_metadata(self.original):
             kwargs["metadata"] = {**(kwargs.get("metadata") or {}), **marks}
-        if _internals.interpreter_of(interpret) == "tpu" and self.facts.family in ("triton", "mosaic_gpu"):
+        if jax_pallas.interpreter_of(interpret) == "tpu" and self.facts.family in ("triton", "mosaic_gpu"):
             # TPU interpret mode accepts only TPU compiler_params; these are hints for another compiler.
             kwargs["compiler_params"] = None
         built = self.original(*self.args, **kwargs)

@@ -10,7 +10,8 @@ import functools
 import os
 from typing import NamedTuple
 
-from pallas_guard._jax import internals as _internals
+from pallas_guard._jax import config as jax_config
+from pallas_guard._jax import tracing as jax_tracing
 
 
 class Target(NamedTuple):
@@ -45,21 +46,21 @@ def _platforms_source(value: str) -> str:
 def detect() -> Target:
     """Where a kernel called now will lower: the platforms of a ``jax.export`` tracing it, else a
     default-device scope, ``jax_platforms``, or the live backend."""
-    exporting = _internals.export_platforms()
+    exporting = jax_tracing.export_platforms()
     if exporting is not None:
         return _export_target(exporting)
-    device = _internals.jax_config_value("jax_default_device")
+    device = jax_config.jax_config_value("jax_default_device")
     if device is not None:
         platform = _platform_of(device)
         if platform is not None:
             return Target(platform, (f"jax.default_device({device!r}) scope or jax_default_device config",))
-    platforms = _internals.jax_config_value("jax_platforms")
+    platforms = jax_config.jax_config_value("jax_platforms")
     if isinstance(platforms, str) and platforms.strip():
         # The first entry has the highest priority: it is the default backend.
         first = platforms.split(",")[0].strip().lower()
         if first:
             return Target(first, (_platforms_source(platforms),))
-    backend = _internals.default_backend()
+    backend = jax_config.default_backend()
     if backend is not None:
         return Target(backend, (f"jax.default_backend() is {backend!r} (backends already initialised)",))
     return UNKNOWN

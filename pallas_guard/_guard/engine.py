@@ -34,7 +34,12 @@ from pallas_guard._deciding import plan as _plan
 from pallas_guard._deciding.kernel import Kernel
 from pallas_guard._deciding.target import Target
 from pallas_guard._guard.ledger import Ledger
-from pallas_guard._jax import internals as _internals
+from pallas_guard._jax import config as jax_config
+from pallas_guard._jax import lookup as jax_lookup
+from pallas_guard._jax import lowering as jax_lowering
+from pallas_guard._jax import pallas as jax_pallas
+from pallas_guard._jax import state as jax_state
+from pallas_guard._jax import tracing as jax_tracing
 from pallas_guard._running import findings as _findings
 from pallas_guard._running import plain as _plain
 from pallas_guard._vocabulary import record as _record
@@ -52,9 +57,9 @@ def interpret_value(name: str, candidates: _interpreters.Candidates, *, cores: i
     of the TPU device set, which TPU interpret mode then simulates per device."""
     if name == "plain":
         return None
-    cls = _internals.tpu_params_class() if name == "tpu" else _internals.gpu_params_class()
+    cls = jax_pallas.tpu_params_class() if name == "tpu" else jax_pallas.gpu_params_class()
     if cls is None:
-        _internals.note_missing(f"{name.upper()} interpret params class", f"the {name} interpreter is unavailable")
+        jax_lookup.note_missing(f"{name.upper()} interpret params class", f"the {name} interpreter is unavailable")
         return None
     overrides: dict[str, Any] = {}
     if name == "tpu" and candidates.eager_dmas:
@@ -112,9 +117,9 @@ class PlainTraces:
         primitive of that trace lowers for the CPU, keep it; False where this cannot be told so
         cheaply (then a real lowering tells)."""
         params = eqn.params
-        registry = _internals.lowering_registry()
-        tools = _internals.lowering_tools()
-        interpreter = _internals.plain_interpreter(params)
+        registry = jax_lowering.lowering_registry()
+        tools = jax_lowering.lowering_tools()
+        interpreter = jax_pallas.plain_interpreter(params)
         avals = [getattr(var, "aval", None) for var in eqn.invars]
         if registry is None or tools is None or interpreter is None:
             return False
@@ -123,16 +128,16 @@ class PlainTraces:
         try:
             ref = weakref.ref(params["jaxpr"])
             # Inside the equation's context, where JAX's rule traces it (and where the net will).
-            with _internals.equation_context(eqn), _plain.linear(params):
-                config = _internals.trace_context()
+            with jax_lowering.equation_context(eqn), _plain.linear(params):
+                config = jax_config.trace_context()
                 traced = tools[0](interpreter)(*avals)
         except Exception:  # a real lowering raises JAX's own error for it
             return False
         if config is None:
             return False
-        if not all(_internals.lowers_for_cpu(e.primitive, registry) for e in _internals.jaxpr_equations(traced)):
+        if not all(jax_lowering.lowers_for_cpu(e.primitive, registry) for e in jax_state.jaxpr_equations(traced)):
             return False
-        context = (config, _plain.enabled(), _internals.lowering_context_key(avals, getattr(eqn, "ctx", None)))
+        context = (config, _plain.enabled(), jax_lowering.lowering_context_key(avals, getattr(eqn, "ctx", None)))
         with self._lock:
             self._kept[id(params["jaxpr"])] = (ref, self._others(params), context, traced)
             while len(self._kept) > self._MAX_KEPT:
@@ -143,7 +148,7 @@ class PlainTraces:
         jaxpr = params.get("jaxpr")
         with self._lock:
             kept = self._kept.get(id(jaxpr))
-        if kept is None or _internals.manual_axes(ctx):
+        if kept is None or jax_lowering.manual_axes(ctx):
             return None
         ref, others, context, traced = kept
         now = self._others(params)
@@ -151,9 +156,9 @@ class PlainTraces:
             return None
         if not all(a[0] == b[0] and a[1] is b[1] for a, b in zip(now, others, strict=True)):
             return None
-        config = _internals.trace_context()
+        config = jax_config.trace_context()
         avals = getattr(ctx, "avals_in", ())
-        key = (config, _plain.enabled(), _internals.lowering_context_key(avals, getattr(ctx, "jaxpr_eqn_ctx", None)))
+        key = (config, _plain.enabled(), jax_lowering.lowering_context_key(avals, getattr(ctx, "jaxpr_eqn_ctx", None)))
         try:
             same = config is not None and bool(key == context)
         except Exception:  # a context that cannot be compared is not the same
@@ -172,7 +177,7 @@ class PlainTraces:
         def lower_pallas_call(ctx: Any, *in_nodes: Any, **params: Any) -> Any:
             if params.get("interpret") is True and id(params.get("jaxpr")) in self._kept:  # a racy peek
                 traced = self._take(ctx, params)
-                tools = _internals.lowering_tools()
+                tools = jax_lowering.lowering_tools()
                 if traced is not None and tools is not None:
                     _, replay, lower_fun = tools
                     return lower_fun(replay(traced), multiple_results=True)(ctx, *in_nodes)
@@ -203,7 +208,7 @@ class Run:
         self.kernel, self.plan, self.target, self.policy = kernel, plan, target, policy
         self.candidates = plan.candidates
         self.call_site, self.ledger = call_site, ledger
-        self.eager = not _internals.tracing()
+        self.eager = not jax_tracing.tracing()
         # An eager call is built marked with its checks and interpretation: JAX keeps one executable
         # per equation, and the guard's must not be reused under other settings, policy off or after
         # uninstall().
@@ -270,12 +275,12 @@ class Run:
         left to the outer lowering, made once."""
         if name != "plain" or self.eager:
             return False
-        primitive = _internals.pallas_call_primitive()
+        primitive = jax_pallas.pallas_call_primitive()
         trace = getattr(jitted, "trace", None)
         if primitive is None or trace is None:
             return False
         traced = trace(*args, **kwargs)  # the kernel's own trace error is plain's failure, as before
-        eqns = [e for e in _internals.jaxpr_equations(getattr(traced, "jaxpr", None)) if "interpret" in e.params]
+        eqns = [e for e in jax_state.jaxpr_equations(getattr(traced, "jaxpr", None)) if "interpret" in e.params]
         if not eqns or any(e.primitive is not primitive or e.params.get("interpret") for e in eqns):
             return False
         return all(PLAIN_TRACES.trace(eqn) for eqn in eqns)
@@ -394,7 +399,7 @@ class Run:
                     raise
                 # It lowered but failed at run time; its clean-up may not have run.
                 if name != "plain":
-                    _internals.reset_interpreter(name)
+                    jax_pallas.reset_interpreter(name)
                 failures.append((name, error, "failed at run time"))
                 continue
             self.settle(key, (name, tried))
@@ -433,7 +438,7 @@ class Run:
                 if note
             )
         )
-        if name != "plain" and _internals.export_platforms() is not None:
+        if name != "plain" and jax_tracing.export_platforms() is not None:
             raise _diagnostics.unexportable(
                 kernel=self.kernel.info,
                 call_site=self.call_site,

@@ -27,7 +27,8 @@ from pallas_guard._deciding import target as _target
 from pallas_guard._deciding.kernel import Kernel
 from pallas_guard._guard import engine as _engine
 from pallas_guard._guard.ledger import Guarding
-from pallas_guard._jax import internals as _internals
+from pallas_guard._jax import config as jax_config
+from pallas_guard._jax import tracing as jax_tracing
 from pallas_guard._running import plain as _plain
 from pallas_guard._vocabulary import settings as _settings
 from pallas_guard._vocabulary.entry_points import EntryPoint, HostQuestion
@@ -88,7 +89,7 @@ def _by_hand(kernel: Kernel, built: Any, installation: Guarding) -> Any:
         del instance
         checks = frozenset(_settings.current("checks").value) & _bounds.PLAIN_CHECKS
         fast_plain = _plain.enabled()
-        if not (checks or fast_plain) or _internals.tracing() or _settings.current_policy().value is Policy.OFF:
+        if not (checks or fast_plain) or jax_tracing.tracing() or _settings.current_policy().value is Policy.OFF:
             return wrapped(*args, **kwargs)
         marks = _bounds.mark(checks, fast_plain=fast_plain)
         with kernel.lock:
@@ -137,13 +138,13 @@ def at_call(
         "front door",
         policy.value,
         target.platform,
-        forced_by_jax=_internals.forced_interpret_value(),
+        forced_by_jax=jax_config.forced_interpret_value(),
         net_gap=installation.lowering_net_gap(kernel.entry),
         accelerator_plugins=bool(_target.installed_accelerator_plugins()),
         candidates=functools.partial(candidates, kernel),
         grid=kernel.grid,
         max_steps=budget.value,
-        eager=not _internals.tracing(),
+        eager=not jax_tracing.tracing(),
     )
     plan = _plan.plan(situation)
     if plan.action in (_plan.Action.UNTOUCHED, _plan.Action.DEFER):
@@ -227,7 +228,7 @@ def candidates(kernel: Kernel) -> _interpreters.Candidates:
         kernel.facts,
         checks=frozenset(checks.value),
         checks_from=checks.source,
-        effects_refused=_internals.effects_refused(),
+        effects_refused=jax_tracing.effects_refused(),
     )
     names = tuple(name for name in chosen.names if _interpreters.available(name)) or ("plain",)
     lacking = names != chosen.names

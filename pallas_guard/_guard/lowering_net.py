@@ -19,7 +19,10 @@ from pallas_guard._deciding import plan as _plan
 from pallas_guard._deciding import target as _target
 from pallas_guard._guard import engine as _engine
 from pallas_guard._guard.ledger import Guarding, Ledger
-from pallas_guard._jax import internals as _internals
+from pallas_guard._jax import lookup as jax_lookup
+from pallas_guard._jax import lowering as jax_lowering
+from pallas_guard._jax import pallas as jax_pallas
+from pallas_guard._jax import source as jax_source
 from pallas_guard._running import plain as _plain
 from pallas_guard._vocabulary import record as _record
 from pallas_guard._vocabulary import settings as _settings
@@ -36,7 +39,7 @@ def make_cpu_rule(entry_point: str, delegate: LoweringRule, installation: Guardi
         """The kernel being lowered, and where the user called it."""
         # An eager call can leave the equation without user frames; then the Python stack, which
         # lowers inside the user's call, names the line that ran it.
-        call_site = _diagnostics.call_site_of(_internals.lowering_frames(ctx))
+        call_site = _diagnostics.call_site_of(jax_source.lowering_frames(ctx))
         if not call_site.is_users:
             on_stack = _diagnostics.user_call_site()
             if on_stack.is_users:  # the library frame the equation recorded stays beside it
@@ -65,7 +68,7 @@ def make_cpu_rule(entry_point: str, delegate: LoweringRule, installation: Guardi
             "cpu",
             interpret=interpret,
             injected=ledger.is_injected(interpret),
-            grid=_internals.equation_grid(params),
+            grid=jax_pallas.equation_grid(params),
             max_steps=budget.value,
         )
         plan = _plan.plan(situation)
@@ -82,9 +85,9 @@ def make_cpu_rule(entry_point: str, delegate: LoweringRule, installation: Guardi
                 layer="lowering",
                 kernel=kernel,
                 call_site=call_site,
-                target=_target.lowering_target(_internals.lowering_platforms(ctx)),
+                target=_target.lowering_target(jax_lowering.lowering_platforms(ctx)),
                 policy=policy,
-                interpreter=_internals.interpreter_of(interpret) if untouched else "plain",
+                interpreter=jax_pallas.interpreter_of(interpret) if untouched else "plain",
                 tried=tried,
                 notes=notes,
                 grid=situation.grid,
@@ -95,7 +98,7 @@ def make_cpu_rule(entry_point: str, delegate: LoweringRule, installation: Guardi
                 return lower_plain(ctx, in_nodes, params, who=lambda: who(ctx, params))
             except Exception as error:
                 # Only the front door, at the call, can choose another interpreter: say which.
-                family = _internals.equation_family(params)
+                family = jax_pallas.equation_family(params)
                 _diagnostics.add_note(error, _diagnostics.plain_failed_at_lowering(who(ctx, params)[0], family=family))
                 raise
         if interpret is True and policy.value is not Policy.OFF:
@@ -150,7 +153,7 @@ class InstalledRule:
     """One CPU rule we registered, and what was in its slot before, to put back on uninstall."""
 
     def __init__(
-        self, registry: _internals.LoweringRegistry, primitive: Any, previous: Any, rule: LoweringRule
+        self, registry: jax_lowering.LoweringRegistry, primitive: Any, previous: Any, rule: LoweringRule
     ) -> None:
         self.registry = registry
         self.primitive = primitive
@@ -159,7 +162,7 @@ class InstalledRule:
 
     def remove(self) -> None:
         current = self.registry.cpu.get(self.primitive)
-        if _internals.unwrap_rule(current) is not self.rule:
+        if jax_lowering.unwrap_rule(current) is not self.rule:
             return  # someone registered over us; theirs stays
         if self.previous is None:
             del self.registry.cpu[self.primitive]
@@ -181,17 +184,17 @@ def _kernel_of(params: dict[str, Any], entry_point: str, ledger: Ledger) -> _dia
 
 
 def install_rule(
-    registry: _internals.LoweringRegistry, primitive: Any, entry_point: str, installation: Guarding
+    registry: jax_lowering.LoweringRegistry, primitive: Any, entry_point: str, installation: Guarding
 ) -> InstalledRule | None:
     previous = registry.cpu.get(primitive)
     # If JAX ever ships its own CPU rule, delegate to it rather than to the common rule.
-    delegate = _internals.unwrap_rule(previous) or registry.common_rule(primitive)
+    delegate = jax_lowering.unwrap_rule(previous) or registry.common_rule(primitive)
     if delegate is None:
-        _internals.note_missing(
+        jax_lookup.note_missing(
             f"lowering rule of {primitive}", f"the CPU lowering net for {entry_point} is not installed"
         )
         return None
-    if primitive is _internals.pallas_call_primitive():
+    if primitive is jax_pallas.pallas_call_primitive():
         _plain.hook(installation.hooks)
         # A plain interpreter traced on trial is replayed when the outer trace lowers the same kernel.
         delegate = _engine.PLAIN_TRACES.reusing(delegate)
@@ -201,13 +204,13 @@ def install_rule(
 
 
 def install_unarmed_rule(
-    registry: _internals.LoweringRegistry, primitive: Any, installation: Guarding
+    registry: jax_lowering.LoweringRegistry, primitive: Any, installation: Guarding
 ) -> InstalledRule | None:
     """Where the guard could not arm: a CPU rule that hands every kernel to JAX's own rule, and turns
     JAX's refusal of a kernel without ``interpret=`` into the guard's reason (a ``PallasGuardError``,
     a ``ValueError`` as JAX's is), unless the policy in force is ``off``."""
     previous = registry.cpu.get(primitive)
-    delegate = _internals.unwrap_rule(previous) or registry.common_rule(primitive)
+    delegate = jax_lowering.unwrap_rule(previous) or registry.common_rule(primitive)
     if delegate is None:
         return None
     explanation = installation.failure_message()  # the failure that left this rule in place

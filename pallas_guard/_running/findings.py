@@ -20,7 +20,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from pallas_guard._jax import internals as _internals
+from pallas_guard._jax import tracing as jax_tracing
 from pallas_guard._vocabulary.errors import PallasGuardError
 from pallas_guard._vocabulary.patch import wrap
 
@@ -63,7 +63,7 @@ def recorded_in(error: BaseException) -> PallasGuardError | None:
 def hook(hooks: list[Any]) -> None:
     """Wrap JAX's executable call once and quiet JAX's log of a recorded finding; the entries added
     to ``hooks`` put both back."""
-    wrap(_internals.executable_class(), "__call__", _raising_findings, hooks, is_ours=_is_ours)
+    wrap(jax_tracing.executable_class(), "__call__", _raising_findings, hooks, is_ours=_is_ours)
     if not any(isinstance(f, _QuietFindings) for f in logging.getLogger(_CALLBACK_LOGGER).filters):
         hooks.append(_QuietFindings())
 

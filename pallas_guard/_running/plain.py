@@ -30,7 +30,8 @@ import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from pallas_guard._jax import internals as _internals
+from pallas_guard._jax import lookup as jax_lookup
+from pallas_guard._jax import pallas as jax_pallas
 from pallas_guard._vocabulary import settings as _settings
 from pallas_guard._vocabulary.patch import wrap
 
@@ -75,7 +76,7 @@ _THRESHOLD_FLAG = re.compile(r"xla_cpu_small_while_loop_byte_threshold=(-?\d+)")
 
 def enabled() -> bool:
     """The setting is on, and this jax is one where the fast path is bit for bit."""
-    release = _internals.jax_release()
+    release = jax_lookup.jax_release()
     return bool(_settings.current("fast_plain").value) and (not release or release >= EXACT_FROM)
 
 
@@ -83,9 +84,9 @@ def hook(hooks: list[Any]) -> None:
     """Wrap the interpreter's write-back and its grid loop once (the wrappers are idle outside
     :func:`linear`); the entries added to ``hooks`` put them back."""
     with _hooking:
-        module = _internals.hlo_interpreter_module()
-        wrap(module, _internals.WRITE_BACK, _skipping_write_back, hooks, is_ours=_is_ours)
-        wrap(module, _internals.GRID_LOOPS, _SharingLoops, hooks, is_ours=_is_ours, usable=_has_grid_loop)
+        module = jax_pallas.hlo_interpreter_module()
+        wrap(module, jax_pallas.WRITE_BACK, _skipping_write_back, hooks, is_ours=_is_ours)
+        wrap(module, jax_pallas.GRID_LOOPS, _SharingLoops, hooks, is_ours=_is_ours, usable=_has_grid_loop)
 
 
 def _has_grid_loop(loops: Any) -> bool:
@@ -179,8 +180,8 @@ def linear(params: Mapping[str, Any]) -> Iterator[None]:
     blocks the kernel never writes where they are. JAX's interpreter unchanged where the setting is
     off, the write-back is not wrapped, or which refs the kernel writes cannot be told."""
     state = None
-    if enabled() and _is_ours(getattr(_internals.hlo_interpreter_module(), _internals.WRITE_BACK, None)):
-        written = _internals.written_blocks(params)
+    if enabled() and _is_ours(getattr(jax_pallas.hlo_interpreter_module(), jax_pallas.WRITE_BACK, None)):
+        written = jax_pallas.written_blocks(params)
         blocks = len(getattr(params.get("grid_mapping"), "block_mappings", None) or ())
         aliased = _aliased_blocks(params, blocks)
         if written is not None and blocks and (len(written) < blocks or aliased) and _stays_large(params, written):
@@ -224,7 +225,7 @@ def _stays_large(params: Mapping[str, Any], written: frozenset[int]) -> bool:
     if flag is not None:
         threshold = int(flag.group(1))
     else:
-        release = _internals.jax_release()
+        release = jax_lookup.jax_release()
         if release and release >= EVERY_LOOP_SMALL_FROM:
             return True
         threshold = SMALL_LOOP_BYTES
@@ -233,7 +234,7 @@ def _stays_large(params: Mapping[str, Any], written: frozenset[int]) -> bool:
     mappings = getattr(params.get("grid_mapping"), "block_mappings", None) or ()
     moved = 0
     for position in written:
-        aval = _internals.block_aval(mappings[position])
+        aval = jax_pallas.block_aval(mappings[position])
         itemsize = getattr(getattr(aval, "dtype", None), "itemsize", None)
         shape = getattr(aval, "shape", None)
         if not isinstance(itemsize, int) or shape is None:

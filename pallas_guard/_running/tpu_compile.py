@@ -31,7 +31,8 @@ from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 from pallas_guard._deciding import device as _device
-from pallas_guard._jax import internals as _internals
+from pallas_guard._jax import lookup as jax_lookup
+from pallas_guard._jax import tracing as jax_tracing
 
 
 class Generation(NamedTuple):
@@ -141,7 +142,7 @@ def available() -> str | None:
     except ImportError as error:
         return f"the TPU compile check needs jax with jax.experimental.topologies ({error})"
     if not hasattr(topologies, "get_topology_desc"):
-        return f"jax {_internals.jax_version()} has no deviceless TPU topology (get_topology_desc)"
+        return f"jax {jax_lookup.jax_version()} has no deviceless TPU topology (get_topology_desc)"
     library = os.environ.get("TPU_LIBRARY_PATH")
     try:
         found = importlib.util.find_spec("libtpu") is not None
@@ -153,7 +154,7 @@ def available() -> str | None:
     installed = _distribution_version("libtpu")
     if pin is not None and installed is not None and not _matches(installed, pin):
         return (
-            f"libtpu {installed} is installed, but jax {_internals.jax_version()} pins libtpu=={pin}: "
+            f"libtpu {installed} is installed, but jax {jax_lookup.jax_version()} pins libtpu=={pin}: "
             f"{install_command()}"
         )
     return None
@@ -282,7 +283,7 @@ def compile_kernel(
         # The topology device's own kind and cores: Pallas's TPU lowering (1-D blocks, `sign`) and
         # host code (`get_tpu_info()`) ask the abstract device, else this CPU. The outputs are
         # placed there too: a kernel without array inputs would otherwise compile for the CPU.
-        with _device.presented(generation, like=device), _internals.retrace_logs_muted():
+        with _device.presented(generation, like=device), jax_tracing.retrace_logs_muted():
             lowered = jax.jit(build(), out_shardings=on_the_tpu).lower(*avals, **kwavals)
     except (MemoryError, RecursionError):
         raise
@@ -355,7 +356,7 @@ def _verdict_file(lowered: Any, generation: str) -> str | None:
 @functools.cache
 def _versions() -> tuple[str, ...]:
     """jax, jaxlib and libtpu: read once (their metadata does not change in a process)."""
-    return (_internals.jax_version() or "", *(_distribution_version(n) or "" for n in ("jaxlib", "libtpu")))
+    return (jax_lookup.jax_version() or "", *(_distribution_version(n) or "" for n in ("jaxlib", "libtpu")))
 
 
 def _read_verdict(path: str | None) -> Memory | None:

@@ -21,7 +21,8 @@ import sys
 import threading
 from typing import Any
 
-from pallas_guard._jax import internals as _internals
+from pallas_guard._jax import lookup as jax_lookup
+from pallas_guard._jax import lowering as jax_lowering
 
 PRIMITIVES_MODULE = "jax._src.pallas.mosaic.primitives"
 
@@ -162,7 +163,7 @@ _seeded = _Seeded()
 
 
 def _current_block() -> Any:
-    ir: Any = getattr(_internals.import_optional("jax._src.lib.mlir"), "ir", None)
+    ir: Any = getattr(jax_lookup.import_optional("jax._src.lib.mlir"), "ir", None)
     return ir.InsertionPoint.current.block
 
 
@@ -196,7 +197,7 @@ def random_bits_rule(ctx: Any, *, shape: tuple[int, ...]) -> Any:
 
 
 def _lower_fun() -> Any:
-    tools = _internals.lowering_tools()
+    tools = jax_lowering.lowering_tools()
     assert tools is not None  # install() registers no rule without them
     return tools[2]
 
@@ -210,13 +211,13 @@ LOWERING_RULES = {"prng_seed_p": seed_rule, "prng_random_bits_p": random_bits_ru
 class Installed:
     """One CPU rule registered here, removed again on ``uninstall()`` (a hook: ``restore()``)."""
 
-    def __init__(self, registry: _internals.LoweringRegistry, primitive: Any, rule: Any, uncached: Any) -> None:
+    def __init__(self, registry: jax_lowering.LoweringRegistry, primitive: Any, rule: Any, uncached: Any) -> None:
         self.registry, self.primitive, self.rule = registry, primitive, rule
         self.uncached = uncached
         """JAX's set of primitives lowered in place, where registering added this one; else None."""
 
     def restore(self) -> None:
-        if _internals.unwrap_rule(self.registry.cpu.get(self.primitive)) is self.rule:
+        if jax_lowering.unwrap_rule(self.registry.cpu.get(self.primitive)) is self.rule:
             del self.registry.cpu[self.primitive]  # someone who registered over us keeps theirs
         if self.uncached is not None:
             self.uncached.discard(self.primitive)
@@ -226,8 +227,8 @@ def install(hooks: list[Any]) -> None:
     """Register a CPU rule for each primitive this jax has (once its module is imported) and gives
     no CPU rule of its own; each is added to ``hooks``."""
     module = sys.modules.get(PRIMITIVES_MODULE)
-    registry = _internals.lowering_registry()
-    tools = _internals.lowering_tools()
+    registry = jax_lowering.lowering_registry()
+    tools = jax_lowering.lowering_tools()
     if module is None or registry is None or tools is None:
         return
     lower_fun = tools[2]

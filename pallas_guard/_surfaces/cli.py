@@ -21,7 +21,9 @@ from typing import Any
 
 import pallas_guard_autoload
 from pallas_guard._deciding import target as _target
-from pallas_guard._jax import internals as _internals
+from pallas_guard._jax import config as jax_config
+from pallas_guard._jax import lookup as jax_lookup
+from pallas_guard._jax import source as jax_source
 from pallas_guard._surfaces import install as _install
 from pallas_guard._vocabulary import settings as _settings
 from pallas_guard_autoload import OPTIONS, POLICY_ENV, printable
@@ -169,15 +171,15 @@ def _pytest_report(problems: list[str]) -> dict[str, Any]:
 def _jax_facts(problems: list[str]) -> dict[str, Any]:
 
     facts: dict[str, Any] = {"jax": _distribution_version("jax"), "jaxlib": _distribution_version("jaxlib")}
-    if facts["jax"] is None or _internals.import_optional("jax") is None:
+    if facts["jax"] is None or jax_lookup.import_optional("jax") is None:
         problems.append("jax is not installed (or does not import): there are no Pallas kernels to guard here.")
         facts["installed"] = False
         return facts
     facts["installed"] = True
     facts["config"] = {
-        "jax_platforms": _internals.jax_config_value("jax_platforms"),
-        "jax_default_device": repr(_internals.jax_config_value("jax_default_device")),
-        "forced_interpret_mode": repr(_internals.forced_interpret_value()),
+        "jax_platforms": jax_config.jax_config_value("jax_platforms"),
+        "jax_default_device": repr(jax_config.jax_config_value("jax_default_device")),
+        "forced_interpret_mode": repr(jax_config.forced_interpret_value()),
     }
     target = _target.detect()  # before initialising: what the guard sees at trace time
     facts["configured_target"] = {"platform": target.platform, "evidence": list(target.evidence)}
@@ -253,7 +255,7 @@ def _verdict(report: dict[str, Any]) -> str:
 def collect() -> dict[str, Any]:
     """Everything ``doctor`` reports, JSON-ready. Initialises JAX's backends (to list them)."""
     problems: list[str] = []
-    package_dir = _internals.PACKAGE_DIR
+    package_dir = jax_source.PACKAGE_DIR
     report: dict[str, Any] = {
         "pallas_guard": {"version": _distribution_version("pallas_guard"), "location": package_dir},
         "python": {"version": sys.version.split()[0], "executable": sys.executable},
@@ -297,8 +299,8 @@ def installation_notices() -> list[str]:
     internal not found. ``doctor`` and the pytest header show them; neither is ever a warning (one
     while pytest configures would stop a ``filterwarnings = error`` session)."""
 
-    notice = _internals.tested_range_notice()
-    missing = [f"JAX internal {name!r} not found: {why}" for name, why in sorted(_internals.missing.items())]
+    notice = jax_lookup.tested_range_notice()
+    missing = [f"JAX internal {name!r} not found: {why}" for name, why in sorted(jax_lookup.missing.items())]
     return ([notice] if notice else []) + missing
 
 
@@ -492,7 +494,7 @@ def _demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     except (ValueError, TypeError) as error:
         parser.error(str(error))
     autoload = bool(installed_startup_files())
-    package_parent = os.path.dirname(_internals.PACKAGE_DIR)
+    package_parent = os.path.dirname(jax_source.PACKAGE_DIR)
     with tempfile.TemporaryDirectory(prefix="pallas-guard-demo-") as directory:
         script = os.path.join(directory, "gpu_kernel.py")
         with open(script, "w", encoding="utf-8") as file:

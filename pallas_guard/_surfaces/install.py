@@ -124,12 +124,12 @@ class Installation:
         pallas_guard_autoload.say_once("_pallas_guard_unarmed", ["pallas_guard: " + " ".join(message.split())])
 
     def _arm(self, module: ModuleType) -> None:
-        from pallas_guard._jax import internals as _internals
+        from pallas_guard._jax import lookup as jax_lookup
 
         part = f"wrapping the entry points of {module.__name__}"
         try:
             # JAX's own warnings while the guard looks it over (a deprecated name) are not the user's.
-            with _internals.probing():
+            with jax_lookup.probing():
                 for entry in ENTRY_POINTS:
                     if module.__name__ in entry.modules:
                         self._wrap_entry_point(module, entry)
@@ -161,12 +161,14 @@ class Installation:
         interpret mode is supported on CPU backend") with the guard's reason. Best effort: where even
         that cannot be registered, the import's error and the line on stderr remain."""
         from pallas_guard._guard import lowering_net as _lowering
-        from pallas_guard._jax import internals as _internals
+        from pallas_guard._jax import lookup as jax_lookup
+        from pallas_guard._jax import lowering as jax_lowering
+        from pallas_guard._jax import pallas as jax_pallas
 
         try:
-            with _internals.probing():
-                registry = _internals.lowering_registry()
-                primitives = (_internals.pallas_call_primitive(), _internals.mpmd_map_primitive())
+            with jax_lookup.probing():
+                registry = jax_lowering.lowering_registry()
+                primitives = (jax_pallas.pallas_call_primitive(), jax_pallas.mpmd_map_primitive())
                 for primitive in primitives:
                     if registry is not None and primitive is not None:
                         installed = _lowering.install_unarmed_rule(registry, primitive, self)
@@ -211,9 +213,9 @@ class Installation:
 
         original = vars(module).get(question.attribute)
         if original is None:  # served by a deprecation __getattr__: wrap what it asks through
-            from pallas_guard._jax import internals as _internals
+            from pallas_guard._jax import pallas as jax_pallas
 
-            inside = _internals.host_question_inside(question.attribute)
+            inside = jax_pallas.host_question_inside(question.attribute)
             if inside is None:
                 return
             module, attribute = inside
@@ -262,31 +264,34 @@ class Installation:
 
     def _install_lowering_net(self) -> None:
         from pallas_guard._guard import lowering_net as _lowering
-        from pallas_guard._jax import internals as _internals
+        from pallas_guard._jax import lookup as jax_lookup
+        from pallas_guard._jax import lowering as jax_lowering
+        from pallas_guard._jax import pallas as jax_pallas
+        from pallas_guard._jax import source as jax_source
 
         if self.rules or self.net_gaps:
             return
-        _internals.exclude_guard_frames_from_jax_tracebacks()
+        jax_source.exclude_guard_frames_from_jax_tracebacks()
         from pallas_guard._running import findings as _findings
 
         _findings.hook(self.hooks)
-        self.routes_via_mpmd = _internals.has_mpmd_module()
-        nets = {"pallas_call": ("pallas_call", "pallas_call_p", _internals.pallas_call_primitive())}
+        self.routes_via_mpmd = jax_pallas.has_mpmd_module()
+        nets = {"pallas_call": ("pallas_call", "pallas_call_p", jax_pallas.pallas_call_primitive())}
         if self.routes_via_mpmd:
-            nets["mpmd_map"] = ("pl.kernel/core_map (mpmd_map)", "mpmd_map_p", _internals.mpmd_map_primitive())
-        registry = _internals.lowering_registry()
+            nets["mpmd_map"] = ("pl.kernel/core_map (mpmd_map)", "mpmd_map_p", jax_pallas.mpmd_map_primitive())
+        registry = jax_lowering.lowering_registry()
         if registry is None:
-            _internals.note_missing("jax.interpreters.mlir registries", "the CPU lowering net is not installed")
+            jax_lookup.note_missing("jax.interpreters.mlir registries", "the CPU lowering net is not installed")
         for net, (entry_point, name, primitive) in nets.items():
             if registry is not None and primitive is None:
-                _internals.note_missing(name, f"the CPU lowering net for {entry_point} is not installed")
+                jax_lookup.note_missing(name, f"the CPU lowering net for {entry_point} is not installed")
             installed = None
             if registry is not None and primitive is not None:
                 installed = _lowering.install_rule(registry, primitive, entry_point, self)
             if installed is None:
                 self.net_gaps[net] = (
                     f"the CPU lowering net for {entry_point} is not installed (JAX internals not found in "
-                    f"jax {_internals.jax_version()}: {', '.join(sorted(_internals.missing))})"
+                    f"jax {jax_lookup.jax_version()}: {', '.join(sorted(jax_lookup.missing))})"
                 )
             else:
                 self.rules.append(installed)
@@ -347,7 +352,7 @@ class Armed(NamedTuple):
 def arm() -> Armed:
     """Import Pallas (which arms the guard, as a user's import would) and say what is in place: the
     front door's entry points and the CPU lowering nets, or which part failed and why."""
-    from pallas_guard._jax import internals as _internals
+    from pallas_guard._jax import lookup as jax_lookup
 
     if importlib.util.find_spec("jax") is None:
         return Armed(False, "not armed: jax is not installed")
@@ -357,13 +362,13 @@ def arm() -> Armed:
         return Armed(False, "not armed: no policy is set (the guard is not installed)")
     if failure is None:  # a failure to arm is recorded on the installation, and reported below
         with contextlib.suppress(Exception):
-            _internals.import_optional("jax.pallas")  # Pallas's public face from jax 0.12.1 (None before)
+            jax_lookup.import_optional("jax.pallas")  # Pallas's public face from jax 0.12.1 (None before)
         with contextlib.suppress(Exception):
-            _internals.import_optional("jax.experimental.pallas")
+            jax_lookup.import_optional("jax.experimental.pallas")
     now = installation.status()
     if now.failure is not None:
         return Armed(False, "NOT ARMED: " + installation.failure_message())
-    version = _internals.jax_version()
+    version = jax_lookup.jax_version()
     if not now.active or not now.patched:
         return Armed(False, f"NOT ARMED on jax {version}: nothing of Pallas is wrapped (active={now.active})")
     entries = sorted({name.rpartition(".")[2] for name in now.patched})

@@ -1,0 +1,119 @@
+"""Tracing, exporting and running: what JAX is doing in this thread when the guard is called."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import threading
+import types
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from pallas_guard._jax.lookup import import_optional, jax_release, note_missing
+
+
+def tracing() -> bool:
+    """True while JAX traces (inside ``jit``, ``vmap``, ...): a kernel called now runs later, for
+    whatever platforms the trace is lowered for. False for an eager call, which runs now on the
+    default device."""
+    core = import_optional("jax._src.core")
+    clean = getattr(core, "trace_state_clean", None)
+    return True if clean is None else not clean()
+
+
+_EXPORT_MODULE = "jax._src.export._export"
+
+
+def export_platforms() -> tuple[str, ...] | None:
+    """The platforms of the ``jax.export`` that is tracing right now, or None outside an export.
+
+    ``do_export`` settles its lowering platforms before it traces; the frame keeps them."""
+    frame: types.FrameType | None = sys._getframe(1)  # noqa: SLF001 - a few frames, no source reads
+    while frame is not None:
+        if frame.f_globals.get("__name__") == _EXPORT_MODULE:
+            platforms = frame.f_locals.get("actual_lowering_platforms")
+            if isinstance(platforms, tuple) and all(isinstance(p, str) for p in platforms):
+                return platforms
+            return ()  # an export whose platforms this jax keeps elsewhere: unknown
+        frame = frame.f_back
+    return None
+
+
+def running_in(module_names: frozenset[str]) -> bool:
+    """True while a function of one of ``module_names`` is on this thread's stack."""
+    frame: types.FrameType | None = sys._getframe(2)  # noqa: SLF001 - inspect.stack() reads source files
+    while frame is not None:
+        if frame.f_globals.get("__name__") in module_names:
+            return True
+        frame = frame.f_back
+    return False
+
+
+# Where a kernel is traced whose enclosing lowering has no place for an interpreter's ordered
+# effects (their tokens): another primitive's lowering rule (a PRNG implementation), and the body of
+# a custom_partitioning, lowered by mlir.lower_fun without tokens (KeyError: OrderedIOEffect).
+_EFFECTS_REFUSED = (
+    ("jax._src.interpreters.mlir", "traced during lowering"),
+    ("jax._src.custom_partitioning", "traced inside a custom_partitioning, whose lowering carries no effects"),
+)
+
+
+def effects_refused() -> str | None:
+    """Why an interpreter that adds effects at trace time cannot be used where the kernel is being
+    traced now, or None."""
+    for module_name, why in _EFFECTS_REFUSED:
+        if running_in(frozenset({module_name})):
+            return why
+    return None
+
+
+def batching_rule_of_our_own() -> Callable[[Callable[..., Any]], Any] | None:
+    """``jax.custom_batching.custom_vmap`` where a call of it whose result is unused stays in a
+    jitted computation (from jax 0.8: 0.7 drops it); None elsewhere."""
+    if jax_release() < (0, 8):
+        return None
+    custom_batching = import_optional("jax.custom_batching")
+    return getattr(custom_batching, "custom_vmap", None)
+
+
+def current_trace() -> Any:
+    """The trace JAX binds primitives in now (None where this jax does not say)."""
+    context = getattr(import_optional("jax._src.core"), "trace_ctx", None)
+    return getattr(context, "trace", None)
+
+
+def executable_class() -> type | None:
+    """JAX's call of a compiled computation in Python (``pxla.ExecuteReplicated``): every
+    computation with host callbacks runs through its ``__call__`` (the C++ fast path skips them)."""
+    cls = getattr(import_optional("jax._src.interpreters.pxla"), "ExecuteReplicated", None)
+    if not isinstance(cls, type):
+        note_missing("pxla.ExecuteReplicated", "a run-time finding under jit arrives inside JAX's runtime error")
+        return None
+    return cls
+
+
+@contextlib.contextmanager
+def retrace_logs_muted() -> Iterator[None]:
+    """While the guard traces a kernel again for a check (lowering or compiling it for its target),
+    what JAX logs from its own modules at the root logger in this thread is dropped: the kernel's
+    first trace logged it already ("AsyncCopyDescriptor was not used", logged as the descriptor is
+    collected), and a test that counts the lines of its log sees each once."""
+    import logging
+
+    jax_file = getattr(sys.modules.get("jax"), "__file__", None)
+    if not jax_file:  # no jax to log: nothing to drop
+        yield
+        return
+    jax_dir = os.path.dirname(jax_file) + os.sep
+    thread = threading.get_ident()
+
+    def keep(record: logging.LogRecord) -> bool:
+        return record.thread != thread or not record.pathname.startswith(jax_dir)
+
+    root = logging.getLogger()
+    root.addFilter(keep)
+    try:
+        yield
+    finally:
+        root.removeFilter(keep)
