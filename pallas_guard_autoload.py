@@ -239,7 +239,15 @@ def _word_of_int(value: object) -> str | None:
     return str(value) if value.bit_length() <= 64 else "9" * (_MAX_INT_DIGITS + 1)
 
 
-CHECKS = ("races", "bounds", "agree", "lowering", "compile")
+CHECKS = {
+    # name: the module that holds its ``CHECK`` (imported when the check is first in force)
+    "races": "pallas_guard._checks.races",
+    "bounds": "pallas_guard._checks.bounds",
+    "agree": "pallas_guard._checks.agree",
+    "lowering": "pallas_guard._checks.lowering",
+    "compile": "pallas_guard._checks.compile",
+}
+"""The checks, in the order settings are shown: a check is its module and its line here."""
 
 
 def _checks(word: str) -> "frozenset[str] | None":

@@ -10,6 +10,7 @@ PYTEST_DONT_REWRITE (nothing to rewrite here; pytest would warn if we were impor
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterable, Iterator, Sequence
 
 from pallas_guard._surfaces import install as _install
@@ -113,6 +114,10 @@ def clear_decisions() -> None:
     """Forget the recorded decisions."""
     _record.clear()
 
+
+# A Decision pickled by a pallas_guard whose modules were not yet in layer folders names its class
+# `pallas_guard._record.Decision`; it still loads (pickles made now name `pallas_guard.Decision`).
+sys.modules.setdefault(f"{__name__}._record", _record)
 
 _errors.apply_startup_warning_options()
 _install.install_at_import()

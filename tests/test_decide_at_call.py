@@ -401,16 +401,16 @@ def test_a_verified_kernel_under_jit_is_lowered_with_the_bounds_check_once(
 ) -> None:
     """The trial verifies the unchecked interpreter's trace; the check's own lowering, the costly
     one, is made once, by the outer lowering, and the checked kernel still runs checked."""
-    from pallas_guard._checks import bounds as _bounds
+    from pallas_guard._checks import checked_plain
 
     checked_lowerings = []
-    original = _bounds.lower
+    original = checked_plain.lower
 
     def counted(*args: Any, **kwargs: Any) -> Any:
         checked_lowerings.append(1)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(_bounds, "lower", counted)
+    monkeypatch.setattr(checked_plain, "lower", counted)
     guard("interpret", checks="bounds")
     x = jnp.arange(8 * 128, dtype=jnp.float32).reshape(8, 128)
     np.testing.assert_array_equal(jax.jit(functools.partial(_dma_scaled, 2.0))(x), x * 2)

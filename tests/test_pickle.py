@@ -1,11 +1,14 @@
 """The wrappers pickle like what they wrap, under every policy: the entry points by reference,
-the kernel callables as the callables JAX returned (cloudpickle by value)."""
+the kernel callables as the callables JAX returned (cloudpickle by value). Decisions pickle by
+their public name, and one pickled before the modules moved into layer folders still loads."""
 
 from __future__ import annotations
 
 import functools
 import pickle
+import pickletools
 from collections.abc import Callable
+from pathlib import Path
 
 import cloudpickle
 import jax
@@ -61,3 +64,36 @@ def test_kernel_callable_of_an_injected_interpreter_cloudpickles(guard: Callable
     np.testing.assert_array_equal(kernel(x), x + 1)
     restored = cloudpickle.loads(cloudpickle.dumps(kernel))
     assert callable(restored) and not hasattr(restored, "__wrapped__")
+
+
+def _globals_named(data: bytes) -> set[str]:
+    return {
+        str(arg) for op, arg, _ in pickletools.genops(data) if op.name == "SHORT_BINUNICODE" and "pallas" in str(arg)
+    }
+
+
+def test_a_decision_pickles_by_its_public_name(guard: Callable[..., None]) -> None:
+    guard("interpret")
+    jax.block_until_ready(
+        pl.pallas_call(add_one_kernel, out_shape=jax.ShapeDtypeStruct((8,), jnp.float32))(jnp.zeros(8))
+    )
+    (decision,) = pallas_guard.decisions()
+    data = pickle.dumps(decision, protocol=4)
+    assert "pallas_guard._record" not in _globals_named(
+        data
+    ) and "pallas_guard._vocabulary.record" not in _globals_named(data)
+    assert pickle.loads(data) == decision
+
+
+def test_a_decision_pickled_before_the_layers_moved_loads() -> None:
+    """Made by pallas_guard 0.1.0 with every module in one flat folder (class ``pallas_guard._record.Decision``)."""
+    data = (Path(__file__).parent / "data" / "decision_pickled_by_0.1.0_flat.pickle").read_bytes()
+    assert "pallas_guard._record" in _globals_named(data)
+    decision = pickle.loads(data)
+    assert isinstance(decision, pallas_guard.Decision)
+    assert (decision.kernel, decision.action, decision.interpreter, decision.policy) == (
+        "add_one",
+        "interpreted",
+        "plain",
+        pallas_guard.Policy.INTERPRET,
+    )

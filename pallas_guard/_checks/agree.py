@@ -100,6 +100,7 @@ class Disagreement(NamedTuple):
 
 class Agree(_checks.Check):
     name = "agree"
+    order = 2
     at_front_door = True
 
     def before(self, run: Run, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _checks.Prepared | None:

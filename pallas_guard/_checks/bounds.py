@@ -15,27 +15,36 @@ kernel without a finding returns what the unchecked plain interpreter returns, b
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import dataclasses
 import functools
 import itertools
-import linecache
-import os
-import string
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from pallas_guard._checks import protocol as _checks
+from pallas_guard._checks.checked_plain import (
+    NO_SITE,
+    Active,
+    Condition,
+    Index,
+    PlainLowering,
+    Range,
+    as_index,
+    compose,
+    fields_of_one_vector,
+    indexed,
+    plus,
+    site_text,
+    traced,
+)
 from pallas_guard._deciding import diagnostics as _diagnostics
-from pallas_guard._deciding.diagnostics import CallSite, KernelInfo
-from pallas_guard._jax import lowering as jax_lowering
 from pallas_guard._jax import pallas as jax_pallas
-from pallas_guard._jax import source as jax_source
 from pallas_guard._jax import state as jax_state
 from pallas_guard._running import findings as _findings
 from pallas_guard._vocabulary import record as _record
-from pallas_guard._vocabulary import settings as _settings
 from pallas_guard._vocabulary.errors import PallasGuardError
 from pallas_guard._vocabulary.patch import wrap
 
@@ -59,26 +68,18 @@ class _Checking:
     """How many jaxprs are being discharged, one inside the other: 1 at the kernel's top level."""
 
 
-_MARK_KEY = "pallas_guard"
-
-
-def mark(checks: frozenset[str], *, fast_plain: bool) -> dict[str, str]:
-    """The ``metadata`` of a kernel the guard runs eagerly in the plain interpreter, with the checks
-    and the ``fast_plain`` setting in force. JAX keeps one executable per equation (params included)
-    and reuses it for any later eager call of the same equation: marked, the guard's executables are
-    never reused for a call under other settings, under policy ``off`` or after ``uninstall()`` (the
-    plain interpreter ignores metadata)."""
-    how = "interpreted" if fast_plain else "interpreted-as-jax-ships"
-    return {_MARK_KEY: "+".join((how, *sorted(checks)))}
-
-
-def marked_checks(params: dict[str, Any]) -> frozenset[str]:
-    """The checks a kernel was marked with (none for an unmarked one)."""
-    value = (params.get("metadata") or {}).get(_MARK_KEY)
-    return frozenset(value.split("+")[1:]) if isinstance(value, str) else frozenset()
-
-
 _checking: contextvars.ContextVar[_Checking | None] = contextvars.ContextVar("pallas_guard_bounds", default=None)
+
+
+@contextlib.contextmanager
+def _checking_in(state: _Checking) -> Iterator[None]:
+    """The discharge rules check accesses against ``state`` while the checked interpreter is traced."""
+    token = _checking.set(state)
+    try:
+        yield
+    finally:
+        _checking.reset(token)
+        state.step.clear()  # tracers of this trace, which ends here
 
 
 # --- hooks: JAX's discharge rules and the interpreter's block copies, checking only when asked ---
@@ -169,124 +170,6 @@ def _checking_block_copy(copy: Callable[..., Any]) -> Callable[..., Any]:
     return pallas_guard_checked_block_copy
 
 
-# --- the checked lowering -------------------------------------------------------------------------
-
-
-PLAIN_CHECKS = frozenset({"bounds", "races"})
-"""The checks made inside the plain interpretation, lowered by :func:`lower`: bounds through the
-discharge rules, races through the kernel traced again with its DMA table (``_dma_races``)."""
-
-
-def lower(
-    ctx: Any,
-    in_nodes: Sequence[Any],
-    params: dict[str, Any],
-    *,
-    kernel: KernelInfo,
-    call_site: CallSite,
-    hooks: list[Any],
-    checks: frozenset[str] = frozenset({"bounds"}),
-) -> Any:
-    """Lower one ``pallas_call`` equation in the plain interpreter with the ``checks`` of
-    ``PLAIN_CHECKS`` asked for; None where this jax lacks a piece (the caller lowers it unchecked).
-    A kernel whose DMAs the race check cannot follow runs without it, its decision saying why."""
-    import jax.numpy as jnp
-    from jax import lax
-    from jax.experimental import checkify, io_callback
-
-    from pallas_guard._checks import dma_races as _dma_races
-
-    tools = jax_lowering.lowering_tools()
-    if tools is None or unchecked_reason("pallas_call", params) is not None:
-        return None
-    # The checks go in through discharge rules, whose results JAX caches per jaxpr object: a
-    # private copy neither reads an unchecked discharge cached before nor leaves a checked one.
-    private = jax_state.private_params(params)
-    races = None
-    if "races" in checks and _dma_races.has_dmas(private["jaxpr"]):
-        races = _dma_races.Instrumented()
-        try:
-            private = _dma_races.instrument(private, races)
-        except _dma_races.Unsupported as why:
-            races = None
-            note = f"runs unchecked: races could not be checked: {why}"
-            _record.annotate(
-                kernel, call_site, _checks.unchecked("races", str(why), kernel=kernel, call_site=call_site, note=note)
-            )
-        else:
-            if not races.points:  # race-free whichever way it runs, decided while tracing
-                races = None
-    if "bounds" not in checks and races is None:
-        return None
-    interpret = jax_pallas.plain_interpreter(private)
-    if interpret is None:
-        return None
-    lower_fun = tools[2]
-    state = None
-    if "bounds" in checks:
-        hook(hooks)
-        if any(eqn.primitive.name == "run_state" for eqn in jax_state.jaxpr_equations(params["jaxpr"])):
-            # Its body is discharged apart from the kernel's accesses: a gap said, not hidden.
-            gap = "bounds does not check accesses in pl.run_state bodies"
-            note = f"runs partly unchecked: {gap}"
-            _record.annotate(
-                kernel, call_site, _checks.unchecked("bounds", gap, kernel=kernel, call_site=call_site, note=note)
-            )
-        state = _Checking(_blocks(params.get("grid_mapping")), params.get("grid_mapping"))
-    source = _settings.stated("checks")
-
-    def checked(*args: Any) -> Any:
-        token = _checking.set(state)
-        try:
-            error, out = checkify.checkify(interpret, errors=checkify.user_checks)(*args)
-        except Exception:
-            # A discharge cut short can leave a checked entry in JAX's discharge cache under a
-            # jaxpr the kernel shares, where the unchecked lowering that follows would read it.
-            jax_state.forget_discharges()
-            raise
-        finally:
-            _checking.reset(token)
-            if state is not None:
-                state.step.clear()  # tracers of this trace, which ends here
-        raise_finding = functools.partial(
-            _raise_finding, kernel=kernel, call_site=call_site, source=source, races=races
-        )
-        # Only a failed check calls back to the host (a call per kernel call would cost more than a
-        # small kernel). Unordered: no effect token, which a lowering rule has no place for.
-        failed = functools.reduce(jnp.logical_or, list(getattr(error, "_pred", {}).values()), jnp.bool_(False))
-        lax.cond(failed, lambda e: io_callback(raise_finding, None, e, ordered=False), lambda e: None, error)
-        return out
-
-    return lower_fun(checked, multiple_results=True)(ctx, *in_nodes)
-
-
-def unchecked_reason(entry_point: str, params: dict[str, Any]) -> str | None:
-    """Why a kernel the plain interpreter runs cannot get the bounds check, or None."""
-    if entry_point != "pallas_call":
-        return f"{entry_point} lowers through its own rule, which the check does not reach"
-    if getattr(params.get("jaxpr"), "constvars", None):
-        return "the kernel captures constants"  # JAX's own rule refuses it
-    if jax_pallas.plain_interpreter(params) is None:
-        return "this jax's plain interpreter is not where the guard looks for it"
-    return None
-
-
-def _raise_finding(error: Any, *, kernel: KernelInfo, call_site: CallSite, source: str, races: Any) -> None:
-    from pallas_guard._checks import dma_races as _dma_races
-
-    finding = error.get()
-    if not finding:
-        return
-    finding = str(finding).splitlines()[0].removesuffix(" (`check` failed)")
-    if races is not None and _dma_races.is_race(finding):
-        what, text = _dma_races.describe(finding, races)
-        found = _diagnostics.race_finding(text, what=what, kernel=kernel, call_site=call_site, source=source)
-        _findings.record(_checks.found("races", found, kernel=kernel, call_site=call_site, interpreter="plain"))
-        return
-    error = _diagnostics.bounds_finding(finding, kernel=kernel, call_site=call_site, source=source)
-    _findings.record(_checks.found("bounds", error, kernel=kernel, call_site=call_site, interpreter="plain"))
-
-
 def _blocks(grid_mapping: Any) -> tuple[tuple[tuple[int, ...], tuple[int, ...], str, str | None], ...]:
     found = []
     for mapping in getattr(grid_mapping, "block_mappings", ()) or ():
@@ -336,39 +219,10 @@ def _check_access(
         _check_indexed(kind, ref, transforms, mask if role == 0 else None, site, step=step)
 
 
-def indexed(operands: Sequence[Any]) -> Iterator[tuple[int, Any, tuple[Any, ...]]]:
-    """(role, ref, its transforms) for each indexed ref among an access's operands: a ``(ref,
-    transforms)`` pair of neighbours (older jax), or a transformed-ref object. ``role`` counts the
-    ref operands, indexed or whole (a DMA's source is 0, its destination 1)."""
-    indexer = jax_state.nd_indexer_class()
-    pairs = len(operands) > 1 and isinstance(operands[1], tuple | list)
-    for position, item in enumerate(operands):
-        transforms = getattr(item, "transforms", None)
-        if transforms is not None and hasattr(item, "ref"):
-            yield position, item.ref, tuple(transforms)
-        elif position and isinstance(item, tuple | list) and any(isinstance(t, indexer or ()) for t in item):
-            yield (position - 1) // 2 if pairs else position - 1, operands[position - 1], tuple(item)
-
-
 def _site() -> str:
     """Where the kernel makes the access being discharged: ``at file:line (`code`)``."""
     text = site_text()
     return text if text == NO_SITE else f"at {text}"
-
-
-NO_SITE = "in the kernel body"
-
-
-def site_text(eqn: Any = None) -> str:
-    """``file:line (`code`)`` of the kernel line that made an access (the one being discharged, or
-    equation ``eqn``'s), else ``NO_SITE``."""
-    found = jax_source.access_site(eqn)
-    if found is None:
-        return NO_SITE
-    filename, line, _ = found
-    code = linecache.getline(filename, line).strip()
-    shown = f"{os.path.basename(filename)}:{line}"
-    return f"{shown} (`{code}`)" if code else shown
 
 
 def _escape(text: str) -> str:
@@ -407,81 +261,18 @@ def _no_step() -> None:
     return None
 
 
-# A base dimension: (offset, stride, size) where a range of it is accessed (size None: an integer
-# index, the dimension dropped).
-_Range = tuple[Any, int, int | None]
-
-
-def compose(indexers: Sequence[Any]) -> list[_Range] | None:
-    """The element ranges of the buffer a chain of slice/integer indexers accesses, per buffer
-    dimension; None where an indexer has index arrays or a dynamic size."""
-    slice_class = jax_state.slice_class()
-    ranges: list[_Range] = [(0, 1, n) for n in indexers[0].shape]
-    for indexer in indexers:
-        view = [d for d, (_, _, size) in enumerate(ranges) if size is not None]
-        if len(view) != len(indexer.indices):
-            return None
-        for dim, index in zip(view, indexer.indices, strict=True):
-            offset, stride, _ = ranges[dim]
-            if slice_class is not None and isinstance(index, slice_class):
-                size, step = index.size, getattr(index, "stride", 1)
-                if not isinstance(size, int) or not isinstance(step, int):
-                    return None
-                ranges[dim] = (plus(offset, times(as_index(index.start), stride)), stride * step, size)
-            elif getattr(index, "shape", ()) == ():
-                ranges[dim] = (plus(offset, times(as_index(index), stride)), stride, None)
-            else:
-                return None
-    return ranges
-
-
-# Index arithmetic, in lax (a jnp operator on a tracer is a jitted call of its own, which a kernel
-# with many accesses pays for hundreds of times at its first lowering). An index known while
-# tracing stays a Python int, and a condition it decides a Python bool: an access proven inside its
-# buffer gets no check at all.
-_Index = Any  # int, or an int32 scalar being traced
-_Condition = Any  # bool, or a bool scalar being traced
-
-
-def as_index(value: Any) -> _Index:
-    import numpy as np
+def _below(a: Index, b: Index) -> Condition:
     from jax import lax
 
-    if isinstance(value, int | np.integer) and not isinstance(value, bool):
-        return int(value)
-    return lax.convert_element_type(value, np.int32)
+    return a < b if isinstance(a, int) and isinstance(b, int) else lax.lt(traced(a), traced(b))
 
 
-def _traced(value: _Index) -> Any:
-    import numpy as np
-
-    return np.int32(value) if isinstance(value, int) else value
-
-
-def plus(a: _Index, b: _Index) -> _Index:
-    from jax import lax
-
-    return a + b if isinstance(a, int) and isinstance(b, int) else lax.add(_traced(a), _traced(b))
-
-
-def times(a: _Index, b: int) -> _Index:
-    from jax import lax
-
-    return a * b if isinstance(a, int) else (a if b == 1 else lax.mul(a, _traced(b)))
-
-
-def _below(a: _Index, b: _Index) -> _Condition:
-    from jax import lax
-
-    return a < b if isinstance(a, int) and isinstance(b, int) else lax.lt(_traced(a), _traced(b))
-
-
-def _inside(first: _Index, last: _Index, n: int) -> _Condition:
+def _inside(first: Index, last: Index, n: int) -> Condition:
     """``0 <= first`` and ``last < n``."""
     return _both(_below(-1, first), _below(last, n))
 
 
-def _both(a: _Condition, b: _Condition) -> _Condition:
+def _both(a: Condition, b: Condition) -> Condition:
     from jax import lax
 
     if a is True or b is False:
@@ -492,14 +283,14 @@ def _both(a: _Condition, b: _Condition) -> _Condition:
 
 
 def _check_ranges(
-    kind: str, ranges: list[_Range], shape: tuple[int, ...], *, dtype: str, mask: Any, site: str, step: _Step
+    kind: str, ranges: list[Range], shape: tuple[int, ...], *, dtype: str, mask: Any, site: str, step: _Step
 ) -> None:
     from jax import lax
 
     first = [as_index(offset) for offset, _, _ in ranges]
     last = [plus(first[d], stride * (size - 1)) if size else first[d] for d, (_, stride, size) in enumerate(ranges)]
     inside = [_inside(f, la, n) for f, la, (_, _, size), n in zip(first, last, ranges, shape, strict=True) if size != 0]
-    ok: _Condition = functools.reduce(_both, inside, True)
+    ok: Condition = functools.reduce(_both, inside, True)
     if ok is True:
         return  # proven inside while tracing: every element, masked or not
     if mask is not None:
@@ -519,7 +310,7 @@ def _check_ranges(
     _check(ok, message, values, step)
 
 
-def _unmasked_outside(ranges: list[_Range], shape: tuple[int, ...], first: list[Any], mask: Any) -> Any:
+def _unmasked_outside(ranges: list[Range], shape: tuple[int, ...], first: list[Any], mask: Any) -> Any:
     """Whether an element the mask lets through lies outside the buffer."""
     import jax.numpy as jnp
 
@@ -528,10 +319,10 @@ def _unmasked_outside(ranges: list[_Range], shape: tuple[int, ...], first: list[
     outside = jnp.zeros(out_shape, jnp.bool_)
     for d, (_, stride, size) in enumerate(ranges):
         if size is None:
-            outside = outside | (_traced(first[d]) < 0) | (_traced(first[d]) >= shape[d])
+            outside = outside | (traced(first[d]) < 0) | (traced(first[d]) >= shape[d])
             continue
         axis = next(i for i, (dim, _) in enumerate(kept) if dim == d)
-        position = _traced(first[d]) + stride * jnp.arange(size, dtype=jnp.int32)
+        position = traced(first[d]) + stride * jnp.arange(size, dtype=jnp.int32)
         bad = (position < 0) | (position >= shape[d])
         outside = outside | bad.reshape(tuple(size if i == axis else 1 for i in range(len(out_shape))))
     return jnp.any(outside & jnp.broadcast_to(jnp.asarray(mask, jnp.bool_), out_shape))
@@ -603,7 +394,7 @@ an error slot per payload shape, carried through every loop of the kernel and me
 so one shape keeps its pass and the compiled program small."""
 
 
-def _check(ok: _Condition, message: str, values: list[Any], step: _Step) -> None:
+def _check(ok: Condition, message: str, values: list[Any], step: _Step) -> None:
     """One check; ``step`` (gives the program ids, none for a grid of no axes) says at which grid
     step."""
     import numpy as np
@@ -622,33 +413,35 @@ def _check(ok: _Condition, message: str, values: list[Any], step: _Step) -> None
     parts = [lax.broadcast_in_dim(np.int32(v) if isinstance(v, int) else as_index(v), (1,), ()) for v in values]
     if len(values) < _PAYLOAD:
         parts.append(lax.full((_PAYLOAD - len(values),), 0, np.int32))
-    checkify.check(pred, _fields_of_one_vector(message), lax.concatenate(parts, 0))
-
-
-def check_vector(ok: Any, message: str, vector: Any) -> None:
-    """One check whose values are one int32 vector already (``message``'s fields its elements)."""
-    from jax.experimental import checkify
-
-    checkify.check(ok, _fields_of_one_vector(message), vector)
-
-
-def _fields_of_one_vector(message: str) -> str:
-    """``message`` with its ``{}`` fields numbered as elements of one argument: ``{0[0]}``, ..."""
-    parts, position = [], 0
-    for literal, field, _, _ in string.Formatter().parse(message):
-        parts.append(literal.replace("{", "{{").replace("}", "}}"))
-        if field is not None:
-            parts.append(f"{{0[{position}]}}")
-            position += 1
-    return "".join(parts)
+    checkify.check(pred, fields_of_one_vector(message), lax.concatenate(parts, 0))
 
 
 class Bounds(_checks.Check):
     """Works inside the interpretation: the lowering net lowers the plain interpreter with index
-    checks (``lower``) where the front door marked the kernel (``mark``) or the setting is in force;
-    TPU interpret mode and the Mosaic-GPU interpreter check reads themselves."""
+    checks (``checked_plain.lower``) where the front door marked the kernel (``checked_plain.mark``)
+    or the setting is in force; TPU interpret mode and the Mosaic-GPU interpreter check reads
+    themselves."""
 
     name = "bounds"
+    order = 4
+    in_plain = True
+
+    def arm_plain(self, lowering: PlainLowering) -> Active:
+        hook(lowering.hooks)
+        kernel, call_site = lowering.kernel, lowering.call_site
+        if any(eqn.primitive.name == "run_state" for eqn in jax_state.jaxpr_equations(lowering.given["jaxpr"])):
+            # Its body is discharged apart from the kernel's accesses: a gap said, not hidden.
+            gap = "bounds does not check accesses in pl.run_state bodies"
+            note = f"runs partly unchecked: {gap}"
+            _record.annotate(
+                kernel, call_site, _checks.unchecked("bounds", gap, kernel=kernel, call_site=call_site, note=note)
+            )
+        grid_mapping = lowering.given.get("grid_mapping")
+        return functools.partial(_checking_in, _Checking(_blocks(grid_mapping), grid_mapping))
+
+    def plain_finding(self, message: str, lowering: PlainLowering, source: str) -> PallasGuardError:
+        # Every failed check the races check does not claim is an access outside its buffer.
+        return _diagnostics.bounds_finding(message, kernel=lowering.kernel, call_site=lowering.call_site, source=source)
 
     def finding(self, run: Run, error: BaseException) -> PallasGuardError | None:
         recorded = _findings.recorded_in(error)

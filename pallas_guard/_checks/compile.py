@@ -31,6 +31,7 @@ DEFAULT_GENERATION = "tpu-v5e"
 
 class Compile(_checks.Check):
     name = "compile"
+    order = 1
     at_front_door = True
 
     def before(self, run: Run, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _checks.Prepared:

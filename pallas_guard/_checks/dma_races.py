@@ -34,6 +34,7 @@ import functools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from pallas_guard._checks import checked_plain
 from pallas_guard._jax import lookup as jax_lookup
 from pallas_guard._jax import pallas as jax_pallas
 from pallas_guard._jax import state as jax_state
@@ -104,9 +105,8 @@ class Instrumented:
     grid_axes: int = 0
 
     def site(self, eqn: Any) -> int:
-        from pallas_guard._checks import bounds as _bounds
 
-        text = _bounds.site_text(eqn)
+        text = checked_plain.site_text(eqn)
         if text not in self.sites:
             self.sites.append(text)
         return self.sites.index(text)
@@ -615,13 +615,12 @@ class _Evaluator:
         """(first, length) per followed dimension of the region an access or DMA touches, each first
         as the kernel gave it (an int, or its traced value: the same index is the same object). A
         strided slice counts its span; an index array, a bitcast or a reshape the whole dimension."""
-        from pallas_guard._checks import bounds as _bounds
 
         shape = self.instrumented.buffers[self._buffer(key)].shape
         indexer_class = jax_state.nd_indexer_class()
         indexers = [t for t in transforms if indexer_class is not None and isinstance(t, indexer_class)]
         region: list[tuple[Any, int]] = [(0, n) for n in shape]
-        ranges = _bounds.compose(indexers) if len(indexers) > 1 and len(indexers) == len(transforms) else None
+        ranges = checked_plain.compose(indexers) if len(indexers) > 1 and len(indexers) == len(transforms) else None
         if ranges is not None:
             region = [
                 (offset, 1 if size is None else stride * (size - 1) + 1 if size else 0)
@@ -663,8 +662,6 @@ class _Evaluator:
         """The transforms through which an access reaches its ref (None: this jax does not say)."""
         import jax
 
-        from pallas_guard._checks import bounds as _bounds
-
         tree = eqn.params.get(how.tree_param)
         if tree is None:
             return None
@@ -672,7 +669,7 @@ class _Evaluator:
             operands: tuple[Any, ...] = (values[0], jax.tree_util.tree_unflatten(tree, values[how.leading :]))
         else:
             operands = tuple(jax.tree_util.tree_unflatten(tree, values))
-        return tuple(next((t for role, _, t in _bounds.indexed(operands) if role == 0), ()))
+        return tuple(next((t for role, _, t in checked_plain.indexed(operands) if role == 0), ()))
 
     def _load(self) -> Any:
         return self.table[...]
@@ -703,8 +700,6 @@ class _Evaluator:
         from jax import lax
         from jax.experimental import pallas as pl
 
-        from pallas_guard._checks import bounds as _bounds
-
         table = self._load()
         rows = _rows(table)
         in_flight = lax.eq(_field(rows, _STATE), _i32(_IN_FLIGHT))
@@ -725,7 +720,7 @@ class _Evaluator:
         vector = lax.concatenate(values, 0)
         message = _MARK + " " + " ".join("{}" for _ in range(2 * FIELDS + len(self.step_ids)))
         ok = lax.eq(lax.index_in_dim(vector, 0, 0, keepdims=False), _i32(0))
-        _bounds.check_vector(ok, message, vector)
+        checked_plain.check_vector(ok, message, vector)
 
     def _record(
         self, table: Any, hits: Any, kind: int, access: tuple[int, int, list[tuple[Any, Any]], int | None] | None
@@ -806,8 +801,6 @@ class _Evaluator:
     def _sem_key(self, atom: Any, traced: Any, key_of: dict[Any, Any]) -> Any:
         from jax import lax
 
-        from pallas_guard._checks import bounds as _bounds
-
         key = key_of.get(atom.ref)
         if key is None:
             raise Unsupported("a DMA whose semaphore the check cannot place")
@@ -817,7 +810,7 @@ class _Evaluator:
         box = self._box(key, tuple(traced.transforms))
         stride = 1
         for d in reversed(range(min(len(shape), DIMS))):
-            index = _bounds.plus(index, _bounds.times(box[d][0], stride))
+            index = checked_plain.plus(index, checked_plain.times(box[d][0], stride))
             stride *= shape[d]
         return lax.add(lax.mul(_i32(buffer), _i32(1 << 16)), _i32(index))
 
@@ -978,8 +971,6 @@ class _Decided(_Evaluator):
         facts laid out as the table's (``describe`` reads both)."""
         from jax import lax
 
-        from pallas_guard._checks import bounds as _bounds
-
         box = _ends(region)
         template = [tuple(v if isinstance(v, int) else None for v in pair) for pair in box]
         traced = [v for pair in box for v in pair if not isinstance(v, int)]
@@ -1002,7 +993,7 @@ class _Decided(_Evaluator):
         vector = lax.concatenate([lax.broadcast(_i32(v), (1,)) for v in values], 0)
         ok = lax.full((), False, "bool") if hit is True else lax.bitwise_not(hit)
         message = _MARK + " " + " ".join("{}" for _ in values)
-        _bounds.check_vector(ok, message, vector)
+        checked_plain.check_vector(ok, message, vector)
 
     def _against_rows(self, kind: int, site: int, buffer: int, region: Any, *, dst: bool, src: bool) -> None:
         for row in self.rows:
@@ -1121,9 +1112,11 @@ def _i32(value: Any) -> Any:
 
 def _ends(region: Sequence[tuple[Any, int]]) -> list[tuple[Any, Any]]:
     """(first, end) of each (first, length), an index as int or int32."""
-    from pallas_guard._checks import bounds as _bounds
 
-    return [(_bounds.as_index(first), _bounds.plus(_bounds.as_index(first), length)) for first, length in region]
+    return [
+        (checked_plain.as_index(first), checked_plain.plus(checked_plain.as_index(first), length))
+        for first, length in region
+    ]
 
 
 def _true() -> Any:

@@ -146,18 +146,19 @@ def hook(hooks: list[Any]) -> None:
     wrap(module, "get_ir_version", current_version, hooks, is_ours=lambda f: hasattr(f, "pallas_guard_lowering"))
 
 
-def check(build: Callable[[], Any], args: tuple[Any, ...], kwargs: dict[str, Any], target: Target) -> Outcome:
+def check(
+    build: Callable[[], Any], args: tuple[Any, ...], kwargs: dict[str, Any], target: Target, hooks: list[Any]
+) -> Outcome:
     """Lower the kernel ``build`` returns, called with the shapes of ``args``/``kwargs``, for
-    ``target``, with its abstract device presented."""
+    ``target``, with its abstract device presented (``hooks``: the installation's, which puts back
+    what the lowering wraps)."""
     import jax
-
-    from pallas_guard._surfaces import install as _install
 
     missing = lowering_api()
     if missing is not None:
         return Outcome(f"lowering: not checked: {missing}", unchecked=missing)
     avals, kwavals = _avals((args, kwargs))
-    hook(_install.installation.hooks)
+    hook(hooks)
     token = _as_the_target.set(True)
     try:
         with _device.presented(target.device), jax_tracing.retrace_logs_muted():
@@ -222,6 +223,7 @@ def _site_of(jaxpr: Any, primitive: str, outer: tuple[str, int, str] | None) -> 
 
 class Lowering(_checks.Check):
     name = "lowering"
+    order = 0
     at_front_door = True
 
     def before(self, run: Run, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _checks.Prepared:
@@ -235,7 +237,7 @@ class Lowering(_checks.Check):
         if run.kernel.entry.runs_when_applied:  # core_map runs its body when built: nothing to lower
             why = f"{run.kernel.entry.label} runs when built"
             return _checks.Prepared(_checks.unchecked(self.name, why, kernel=run.kernel.info, call_site=run.call_site))
-        outcome = check(run.kernel.build, args, kwargs, target)
+        outcome = check(run.kernel.build, args, kwargs, target, run.hooks)
         if outcome.unchecked is not None:
             _checks.unchecked(self.name, outcome.unchecked, kernel=run.kernel.info, call_site=run.call_site)
         if outcome.refused is not None:

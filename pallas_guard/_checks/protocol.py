@@ -1,21 +1,25 @@
-"""The checks: one protocol the engine calls, one module per check.
+"""The checks: one protocol the engine calls, one module per check, found by name.
 
 A check says what it needs before a kernel runs (``before``: lower or compile the kernel for its
 target, run it in every interpreter), which failure of a run is its finding (``finding``), and what
 it inspects after the run (``after``: the interpreter's race state). The interpreter a check needs
-is the interpreter choice's business (``_interpreters.candidates``); the bounds and races checks
-work inside the plain interpretation too, where the lowering net lowers them (``_bounds.lower``).
-The engine calls the checks in force in ``ORDER``; adding a check means its module, a line in
-``ORDER`` and ``_check``, and the name in the settings table (``pallas_guard_autoload.CHECKS``),
-nothing else.
+is the interpreter choice's business (``interpreters.candidates``). A check made inside the plain
+interpretation (``in_plain``) prepares the kernel's lowering there and names its findings
+(``arm_plain``, ``plain_finding``; ``checked_plain`` lowers them). The engine, the front door and
+the lowering net name no check: they ask :func:`in_force` for the checks set, each a ``CHECK`` in
+the module the settings table names (``pallas_guard_autoload.CHECKS``), imported when first in
+force. Adding a check means its module and its line in that table, nothing else.
 
 Every finding of every check goes through :func:`found`: recorded as a decision (action
 ``found``, with the check's name) and returned as the ``PallasGuardError`` the caller raises; a
-finding made while a computation runs is carried out of it by ``_findings``.
+finding made while a computation runs is carried out of it by ``findings``.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from pallas_guard._vocabulary import record as _record
@@ -23,6 +27,7 @@ from pallas_guard._vocabulary.errors import PallasGuardError
 from pallas_guard_autoload import CHECKS
 
 if TYPE_CHECKING:
+    from pallas_guard._checks.checked_plain import Active, PlainLowering
     from pallas_guard._deciding.diagnostics import CallSite, KernelInfo
     from pallas_guard._guard.engine import Run
 
@@ -31,6 +36,10 @@ class Check:
     """One check; the defaults do nothing, so a check implements only the steps it has."""
 
     name: ClassVar[str]
+    order: ClassVar[int]
+    """Where the engine calls it among the checks in force, lowest first: a kernel its target
+    refuses is never run, so the checks that lower (0) or compile (1) it come before those that
+    run it."""
     at_front_door: ClassVar[bool] = False
     """Whether the front door must act for it under any trace (it runs before the kernel, or needs
     an interpreter of its own): the plain interpreter alone would be left to the lowering net."""
@@ -48,6 +57,21 @@ class Check:
         hide), or None."""
         return None
 
+    in_plain: ClassVar[bool] = False
+    """Made inside the plain interpretation, which the lowering net lowers with it
+    (``checked_plain``), at the plain interpreter's speed."""
+
+    def arm_plain(self, lowering: PlainLowering) -> Active | None:
+        """Before the checked plain interpreter is built for a kernel: prepare ``lowering`` (wrap
+        JAX's rules through its ``hooks``, replace its ``params``); return what to enter while the
+        interpreter is traced, or None where the check has nothing to check in this kernel."""
+        return None
+
+    def plain_finding(self, message: str, lowering: PlainLowering, source: str) -> PallasGuardError | None:
+        """The finding a failed ``checkify`` check of the checked plain interpretation is, where it is
+        this check's (``message``: the check's text, its fields filled in), else None."""
+        return None
+
 
 class Prepared:
     """What a check's ``before`` settled: a note for the decision, and, where it ran the kernel
@@ -59,40 +83,21 @@ class Prepared:
         self.note, self.outputs, self.settles = note, outputs, settles
 
 
-ORDER = ("lowering", "compile", "agree", "races", "bounds")
-"""The order the engine calls the checks in: a kernel its target refuses is never run, so the
-checks that run it come after those that lower or compile it."""
-
-
-def in_force(names: frozenset[str]) -> tuple[Check, ...]:
+def in_force(names: Iterable[str]) -> tuple[Check, ...]:
     """The checks named, in the engine's order."""
-    return tuple(_check(name) for name in ORDER if name in names and name in CHECKS)
+    named = frozenset(names)
+    return tuple(sorted((check_named(name) for name in CHECKS if name in named), key=lambda check: check.order))
 
 
-def _check(name: str) -> Check:
-    """Each check's module holds its ``CHECK``."""
-    if name == "lowering":
-        from pallas_guard._checks import lowering as _lowering_check
-
-        return _lowering_check.CHECK
-    if name == "compile":
-        from pallas_guard._checks import compile as _compile_check
-
-        return _compile_check.CHECK
-    if name == "agree":
-        from pallas_guard._checks import agree as _agree
-
-        return _agree.CHECK
-    if name == "races":
-        from pallas_guard._checks import races as _races
-
-        return _races.CHECK
-    from pallas_guard._checks import bounds as _bounds
-
-    return _bounds.CHECK
+@functools.cache
+def check_named(name: str) -> Check:
+    """The ``CHECK`` of the module the settings table names for ``name``."""
+    check: Check = importlib.import_module(CHECKS[name]).CHECK
+    return check
 
 
-def at_front_door(names: frozenset[str]) -> bool:
+def at_front_door(names: Iterable[str]) -> bool:
+    """Whether a check among ``names`` acts at the call (the front door must act for it)."""
     return any(check.at_front_door for check in in_force(names))
 
 

@@ -1,19 +1,23 @@
-"""The ``races`` check where the kernel runs in an interpreter with a race detector of its own.
+"""The ``races`` check: DMAs in flight while their buffers are read or written.
 
-A kernel on one core stays in the plain interpreter, which checks races itself (``_dma_races``,
-lowered with the bounds check by ``_bounds.lower``). A kernel in TPU interpret mode (chosen for it,
-or forced) or in the Mosaic-GPU interpreter runs with that interpreter's detector on
-(``_interpreters.candidates``); after the run, the detector's verdict becomes a finding.
+A kernel on one core stays in the plain interpreter, where the check is made inside the plain
+interpretation (``dma_races``, lowered by ``checked_plain``). A kernel in TPU interpret mode (chosen
+for it, or forced) or in the Mosaic-GPU interpreter runs with that interpreter's detector on
+(``interpreters.candidates``); after the run, the detector's verdict becomes a finding.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Any
 
+from pallas_guard._checks import dma_races as _dma_races
 from pallas_guard._checks import protocol as _checks
+from pallas_guard._checks.checked_plain import Active, PlainLowering
 from pallas_guard._deciding import diagnostics as _diagnostics
 from pallas_guard._jax import pallas as jax_pallas
 from pallas_guard._running import findings as _findings
+from pallas_guard._vocabulary import record as _record
 from pallas_guard._vocabulary.errors import PallasGuardError
 
 if TYPE_CHECKING:
@@ -22,6 +26,37 @@ if TYPE_CHECKING:
 
 class Races(_checks.Check):
     name = "races"
+    order = 3
+    in_plain = True
+
+    def arm_plain(self, lowering: PlainLowering) -> Active | None:
+        """The kernel traced again with its DMA table; None where its DMAs cannot race (decided
+        while tracing) or cannot be followed (its decision says why)."""
+        if not _dma_races.has_dmas(lowering.params["jaxpr"]):
+            return None
+        races = _dma_races.Instrumented()
+        try:
+            lowering.params = _dma_races.instrument(lowering.params, races)
+        except _dma_races.Unsupported as why:
+            kernel, call_site = lowering.kernel, lowering.call_site
+            note = f"runs unchecked: races could not be checked: {why}"
+            _record.annotate(
+                kernel, call_site, _checks.unchecked("races", str(why), kernel=kernel, call_site=call_site, note=note)
+            )
+            return None
+        if not races.points:  # race-free whichever way it runs, decided while tracing
+            return None
+        lowering.state[self.name] = races
+        return contextlib.nullcontext
+
+    def plain_finding(self, message: str, lowering: PlainLowering, source: str) -> PallasGuardError | None:
+        races = lowering.state.get(self.name)
+        if races is None or not _dma_races.is_race(message):
+            return None
+        what, text = _dma_races.describe(message, races)
+        return _diagnostics.race_finding(
+            text, what=what, kernel=lowering.kernel, call_site=lowering.call_site, source=source
+        )
 
     def after(self, run: Run, out: Any, interpreter: str) -> None:
         # Only the interpreter that ran with the detector has a race state to read: a kernel the

@@ -81,6 +81,9 @@ class Candidates(NamedTuple):
     """TPU interpret mode with eager DMA execution (cross-device kernels)."""
     note: str | None = None
     """What the answer of the interpreter chosen is not (a TPU's random bits), for the decision."""
+    at_front_door: bool = False
+    """A check in force acts at the call (it lowers or compiles the kernel for its target, or runs
+    it in every interpreter): the front door acts under any trace."""
 
 
 PLAIN_ONLY = Candidates(("plain",), "the plain interpreter runs single-device kernels correctly and fastest")

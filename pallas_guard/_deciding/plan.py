@@ -11,7 +11,6 @@ import enum
 from collections.abc import Callable
 from typing import Any, Literal, NamedTuple
 
-from pallas_guard._checks import protocol as _checks
 from pallas_guard._deciding.interpreters import Candidates
 from pallas_guard._vocabulary.enums import Policy
 
@@ -133,7 +132,7 @@ def _needs_front_door(candidates: Candidates) -> bool:
         or candidates.checks_note is not None
         or candidates.note is not None
         or candidates.lacking
-        or _checks.at_front_door(candidates.checked)
+        or candidates.at_front_door
     )
 
 

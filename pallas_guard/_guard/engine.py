@@ -25,7 +25,7 @@ import weakref
 from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
-from pallas_guard._checks import bounds as _bounds
+from pallas_guard._checks import checked_plain
 from pallas_guard._checks import protocol as _checks
 from pallas_guard._deciding import act as _act
 from pallas_guard._deciding import diagnostics as _diagnostics
@@ -201,6 +201,7 @@ class Run:
         policy: _settings.Setting[Policy],
         call_site: _diagnostics.CallSite,
         ledger: Ledger,
+        hooks: list[Any],
         tpu_cores: int | None = None,
     ) -> None:
         assert plan.candidates is not None
@@ -208,12 +209,14 @@ class Run:
         self.kernel, self.plan, self.target, self.policy = kernel, plan, target, policy
         self.candidates = plan.candidates
         self.call_site, self.ledger = call_site, ledger
+        self.hooks = hooks
+        """The installation's: a check that wraps a JAX function for its work adds what puts it back."""
         self.eager = not jax_tracing.tracing()
         # An eager call is built marked with its checks and interpretation: JAX keeps one executable
         # per equation, and the guard's must not be reused under other settings, policy off or after
         # uninstall().
         self.fast_plain = _plain.enabled()
-        self.marks = _bounds.mark(self.candidates.checked, fast_plain=self.fast_plain) if self.eager else None
+        self.marks = checked_plain.mark(self.candidates.checked, fast_plain=self.fast_plain) if self.eager else None
         self.checks = _checks.in_force(self.candidates.checked)
         self.call_args: tuple[tuple[Any, ...], dict[str, Any]] | None = None
         self.check_notes: tuple[str, ...] = ()

@@ -16,7 +16,7 @@ import operator
 from collections.abc import Callable
 from typing import Any
 
-from pallas_guard._checks import bounds as _bounds
+from pallas_guard._checks import checked_plain
 from pallas_guard._checks import protocol as _checks
 from pallas_guard._deciding import act as _act
 from pallas_guard._deciding import device as _device
@@ -87,11 +87,11 @@ def _by_hand(kernel: Kernel, built: Any, installation: Guarding) -> Any:
     def pallas_guard_by_hand(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
         __tracebackhide__ = True
         del instance
-        checks = frozenset(_settings.current("checks").value) & _bounds.PLAIN_CHECKS
+        checks = checked_plain.plain(_settings.current("checks").value)
         fast_plain = _plain.enabled()
         if not (checks or fast_plain) or jax_tracing.tracing() or _settings.current_policy().value is Policy.OFF:
             return wrapped(*args, **kwargs)
-        marks = _bounds.mark(checks, fast_plain=fast_plain)
+        marks = checked_plain.mark(checks, fast_plain=fast_plain)
         with kernel.lock:
             marked = kernel.variants.get(("by hand", *marks.items()))
         if marked is None:
@@ -185,6 +185,7 @@ def at_call(
         policy=policy,
         call_site=call_site,
         ledger=installation.ledger,
+        hooks=installation.hooks,
         tpu_cores=_device.tpu_cores(device),
     )
     return run(args, kwargs)
@@ -233,8 +234,14 @@ def candidates(kernel: Kernel) -> _interpreters.Candidates:
     names = tuple(name for name in chosen.names if _interpreters.available(name)) or ("plain",)
     lacking = names != chosen.names
     # The checks the engine runs itself (before or after the interpretation) join the interpreter's.
-    checked = chosen.checked | frozenset(check.name for check in _checks.in_force(checks.value) if check.at_front_door)
-    return chosen._replace(names=names, verify=chosen.verify and len(names) > 1, lacking=lacking, checked=checked)
+    at_front_door = frozenset(check.name for check in _checks.in_force(checks.value) if check.at_front_door)
+    return chosen._replace(
+        names=names,
+        verify=chosen.verify and len(names) > 1,
+        lacking=lacking,
+        checked=chosen.checked | at_front_door,
+        at_front_door=bool(at_front_door),
+    )
 
 
 def _fallback(target: _target.Target, plan: _plan.Plan) -> _target.Target:
@@ -287,7 +294,7 @@ def _staged(wrapper: Any, stage: str, args: tuple[Any, ...], kwargs: dict[str, A
     it), which a stage method would skip; then staged through the guarded call, as
     ``jax.jit(kernel).lower(...)`` is."""
     own = getattr(wrapper.__wrapped__, stage)  # AttributeError as without the guard
-    if not wrapper._self_enabled() or not _checks.at_front_door(frozenset(_settings.current("checks").value)):  # noqa: SLF001
+    if not wrapper._self_enabled() or not _checks.at_front_door(_settings.current("checks").value):  # noqa: SLF001
         return own(*args, **kwargs)
     import jax
 

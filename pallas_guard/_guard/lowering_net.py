@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from pallas_guard._checks import bounds as _bounds
+from pallas_guard._checks import checked_plain
 from pallas_guard._checks import protocol as _checks
 from pallas_guard._deciding import act as _act
 from pallas_guard._deciding import diagnostics as _diagnostics
@@ -77,7 +77,7 @@ def make_cpu_rule(entry_point: str, delegate: LoweringRule, installation: Guardi
             untouched = plan.action is _plan.Action.UNTOUCHED
             tried, notes = ledger.left_to_net(kernel) if plan.action is _plan.Action.INTERPRET else ((), ())
             wanted = plain_checks(params)
-            unchecked = _bounds.unchecked_reason(entry_point, params) if wanted else None
+            unchecked = checked_plain.unchecked_reason(entry_point, params) if wanted else None
             if unchecked is not None and not untouched:
                 notes = (*notes, _unchecked_note(kernel, call_site, ", ".join(sorted(wanted)), unchecked))
             _act.carry_out(
@@ -111,12 +111,12 @@ def make_cpu_rule(entry_point: str, delegate: LoweringRule, installation: Guardi
         force (bounds, races)."""
         plain = {**params, "interpret": True}
         checks = plain_checks(params)
-        if not checks or _bounds.unchecked_reason(entry_point, params) is not None:
+        if not checks or checked_plain.unchecked_reason(entry_point, params) is not None:
             return interpret_plain(ctx, *in_nodes, **plain)  # the record of an unchecked kernel says why
         kernel, call_site = who()
         try:
             with _plain.linear(plain):
-                lowered = _bounds.lower(
+                lowered = checked_plain.lower(
                     ctx, in_nodes, plain, kernel=kernel, call_site=call_site, hooks=installation.hooks, checks=checks
                 )
         except PallasGuardError:
@@ -145,8 +145,8 @@ def _unchecked(kernel: _diagnostics.KernelInfo, call_site: _diagnostics.CallSite
 def plain_checks(params: dict[str, Any]) -> frozenset[str]:
     """The checks made inside the plain interpretation in force here, or marked by the front door
     where the kernel was called."""
-    asked = frozenset(_settings.current("checks").value) | _bounds.marked_checks(params)
-    return asked & _bounds.PLAIN_CHECKS
+    asked = frozenset(_settings.current("checks").value) | checked_plain.marked_checks(params)
+    return checked_plain.plain(asked)
 
 
 class InstalledRule:

@@ -69,6 +69,9 @@ class Decision:
         )
 
 
+# Pickled, and shown, by the name users import: a pickle does not depend on where the class lives.
+Decision.__module__ = "pallas_guard"
+
 _lock = threading.Lock()
 _records: list[Decision] = []
 

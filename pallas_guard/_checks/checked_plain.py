@@ -1,0 +1,283 @@
+"""The checked plain interpretation: the plain interpreter lowered with the checks made inside it.
+
+Bounds and races are checked inside JAX's plain interpreter, at its speed: each check in force
+whose ``in_plain`` is set prepares the kernel's lowering (``Check.arm_plain``: wraps JAX's discharge
+rules, traces the kernel again with its DMA table) and the interpreter runs under
+``checkify.checkify``, which carries the first failed check through the grid loop; one host
+callback per kernel call hands it to the check whose finding it is (``Check.plain_finding``) and
+raises it as ``PallasGuardError``. This module names no check: the lowering net, the front door and
+the engine reach the checks through it and the protocol, and the checks share its index arithmetic
+(a check is a ``checkify.check`` of one int32 vector of values, its message's fields).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import linecache
+import os
+import string
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+from pallas_guard._checks import protocol as _checks
+from pallas_guard._deciding.diagnostics import CallSite, KernelInfo
+from pallas_guard._jax import lowering as jax_lowering
+from pallas_guard._jax import pallas as jax_pallas
+from pallas_guard._jax import source as jax_source
+from pallas_guard._jax import state as jax_state
+from pallas_guard._running import findings as _findings
+from pallas_guard._vocabulary import settings as _settings
+from pallas_guard._vocabulary.errors import PallasGuardError
+
+_MARK_KEY = "pallas_guard"
+
+
+def mark(checks: frozenset[str], *, fast_plain: bool) -> dict[str, str]:
+    """The ``metadata`` of a kernel the guard runs eagerly in the plain interpreter, with the checks
+    and the ``fast_plain`` setting in force. JAX keeps one executable per equation (params included)
+    and reuses it for any later eager call of the same equation: marked, the guard's executables are
+    never reused for a call under other settings, under policy ``off`` or after ``uninstall()`` (the
+    plain interpreter ignores metadata)."""
+    how = "interpreted" if fast_plain else "interpreted-as-jax-ships"
+    return {_MARK_KEY: "+".join((how, *sorted(checks)))}
+
+
+def marked_checks(params: dict[str, Any]) -> frozenset[str]:
+    """The checks a kernel was marked with (none for an unmarked one)."""
+    value = (params.get("metadata") or {}).get(_MARK_KEY)
+    return frozenset(value.split("+")[1:]) if isinstance(value, str) else frozenset()
+
+
+def plain(names: Iterable[str]) -> frozenset[str]:
+    """The checks among ``names`` made inside the plain interpretation."""
+    return frozenset(check.name for check in _checks.in_force(names) if check.in_plain)
+
+
+@dataclasses.dataclass
+class PlainLowering:
+    """One ``pallas_call`` equation being lowered in the checked plain interpretation: what the
+    checks in it read, and what they may change."""
+
+    params: dict[str, Any]
+    """The equation's params with private copies of its jaxprs (``jax_state.private_params``): the
+    checks go in through discharge rules, whose results JAX caches per jaxpr object, so a private
+    copy neither reads an unchecked discharge cached before nor leaves a checked one. A check may
+    replace them (races traces the kernel again with its DMA table)."""
+    given: dict[str, Any]
+    """The params as the equation holds them."""
+    kernel: KernelInfo
+    call_site: CallSite
+    hooks: list[Any]
+    """The installation's: a check that wraps a JAX function adds what puts it back."""
+    state: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """What a check keeps between preparing the lowering and reading a failure, by check name."""
+
+
+Active = Callable[[], contextlib.AbstractContextManager[Any]]
+"""What a check enters around the checked trace of the interpreter (its state, visible to the
+discharge rules it wrapped)."""
+
+
+def lower(
+    ctx: Any,
+    in_nodes: Sequence[Any],
+    params: dict[str, Any],
+    *,
+    kernel: KernelInfo,
+    call_site: CallSite,
+    hooks: list[Any],
+    checks: frozenset[str] = frozenset({"bounds"}),
+) -> Any:
+    """Lower one ``pallas_call`` equation in the plain interpreter with the ``checks`` asked for
+    that are made inside it; None where this jax lacks a piece or no check has anything to check in
+    this kernel (the caller lowers it unchecked). A check that cannot follow the kernel says why in
+    its decision and leaves it to the others."""
+    import jax.numpy as jnp
+    from jax import lax
+    from jax.experimental import checkify, io_callback
+
+    tools = jax_lowering.lowering_tools()
+    if tools is None or unchecked_reason("pallas_call", params) is not None:
+        return None
+    lowering = PlainLowering(jax_state.private_params(params), params, kernel, call_site, hooks)
+    armed: list[tuple[_checks.Check, Active]] = []
+    for check in _checks.in_force(checks):
+        active = check.arm_plain(lowering) if check.in_plain else None
+        if active is not None:
+            armed.append((check, active))
+    if not armed:
+        return None
+    interpret = jax_pallas.plain_interpreter(lowering.params)
+    if interpret is None:
+        return None
+    lower_fun = tools[2]
+    source = _settings.stated("checks")
+
+    def checked(*args: Any) -> Any:
+        with contextlib.ExitStack() as stack:
+            for _, active in armed:
+                stack.enter_context(active())
+            try:
+                error, out = checkify.checkify(interpret, errors=checkify.user_checks)(*args)
+            except Exception:
+                # A discharge cut short can leave a checked entry in JAX's discharge cache under a
+                # jaxpr the kernel shares, where the unchecked lowering that follows would read it.
+                jax_state.forget_discharges()
+                raise
+        raise_finding = functools.partial(
+            _raise_finding, lowering=lowering, checks=tuple(check for check, _ in armed), source=source
+        )
+        # Only a failed check calls back to the host (a call per kernel call would cost more than a
+        # small kernel). Unordered: no effect token, which a lowering rule has no place for.
+        failed = functools.reduce(jnp.logical_or, list(getattr(error, "_pred", {}).values()), jnp.bool_(False))
+        lax.cond(failed, lambda e: io_callback(raise_finding, None, e, ordered=False), lambda e: None, error)
+        return out
+
+    return lower_fun(checked, multiple_results=True)(ctx, *in_nodes)
+
+
+def unchecked_reason(entry_point: str, params: dict[str, Any]) -> str | None:
+    """Why a kernel the plain interpreter runs cannot get the bounds check, or None."""
+    if entry_point != "pallas_call":
+        return f"{entry_point} lowers through its own rule, which the check does not reach"
+    if getattr(params.get("jaxpr"), "constvars", None):
+        return "the kernel captures constants"  # JAX's own rule refuses it
+    if jax_pallas.plain_interpreter(params) is None:
+        return "this jax's plain interpreter is not where the guard looks for it"
+    return None
+
+
+def _raise_finding(error: Any, *, lowering: PlainLowering, checks: tuple[_checks.Check, ...], source: str) -> None:
+    finding = error.get()
+    if not finding:
+        return
+    message = str(finding).splitlines()[0].removesuffix(" (`check` failed)")
+    for check in checks:
+        found = check.plain_finding(message, lowering, source)
+        if found is not None:
+            break
+    else:  # no check knows the message as its own: still a finding, never dropped
+        check = checks[0]
+        found = PallasGuardError(
+            f"pallas_guard: the {check.name} check found, in Pallas kernel {lowering.kernel.name}: {message}"
+        )
+    _findings.record(
+        _checks.found(check.name, found, kernel=lowering.kernel, call_site=lowering.call_site, interpreter="plain")
+    )
+
+
+# --- what the checks made inside it share: where an access is, its index arithmetic ---------------
+
+
+def indexed(operands: Sequence[Any]) -> Iterator[tuple[int, Any, tuple[Any, ...]]]:
+    """(role, ref, its transforms) for each indexed ref among an access's operands: a ``(ref,
+    transforms)`` pair of neighbours (older jax), or a transformed-ref object. ``role`` counts the
+    ref operands, indexed or whole (a DMA's source is 0, its destination 1)."""
+    indexer = jax_state.nd_indexer_class()
+    pairs = len(operands) > 1 and isinstance(operands[1], tuple | list)
+    for position, item in enumerate(operands):
+        transforms = getattr(item, "transforms", None)
+        if transforms is not None and hasattr(item, "ref"):
+            yield position, item.ref, tuple(transforms)
+        elif position and isinstance(item, tuple | list) and any(isinstance(t, indexer or ()) for t in item):
+            yield (position - 1) // 2 if pairs else position - 1, operands[position - 1], tuple(item)
+
+
+NO_SITE = "in the kernel body"
+
+
+def site_text(eqn: Any = None) -> str:
+    """``file:line (`code`)`` of the kernel line that made an access (the one being discharged, or
+    equation ``eqn``'s), else ``NO_SITE``."""
+    found = jax_source.access_site(eqn)
+    if found is None:
+        return NO_SITE
+    filename, line, _ = found
+    code = linecache.getline(filename, line).strip()
+    shown = f"{os.path.basename(filename)}:{line}"
+    return f"{shown} (`{code}`)" if code else shown
+
+
+# A base dimension: (offset, stride, size) where a range of it is accessed (size None: an integer
+# index, the dimension dropped).
+Range = tuple[Any, int, int | None]
+
+
+def compose(indexers: Sequence[Any]) -> list[Range] | None:
+    """The element ranges of the buffer a chain of slice/integer indexers accesses, per buffer
+    dimension; None where an indexer has index arrays or a dynamic size."""
+    slice_class = jax_state.slice_class()
+    ranges: list[Range] = [(0, 1, n) for n in indexers[0].shape]
+    for indexer in indexers:
+        view = [d for d, (_, _, size) in enumerate(ranges) if size is not None]
+        if len(view) != len(indexer.indices):
+            return None
+        for dim, index in zip(view, indexer.indices, strict=True):
+            offset, stride, _ = ranges[dim]
+            if slice_class is not None and isinstance(index, slice_class):
+                size, step = index.size, getattr(index, "stride", 1)
+                if not isinstance(size, int) or not isinstance(step, int):
+                    return None
+                ranges[dim] = (plus(offset, times(as_index(index.start), stride)), stride * step, size)
+            elif getattr(index, "shape", ()) == ():
+                ranges[dim] = (plus(offset, times(as_index(index), stride)), stride, None)
+            else:
+                return None
+    return ranges
+
+
+# Index arithmetic, in lax (a jnp operator on a tracer is a jitted call of its own, which a kernel
+# with many accesses pays for hundreds of times at its first lowering). An index known while
+# tracing stays a Python int, and a condition it decides a Python bool: an access proven inside its
+# buffer gets no check at all.
+Index = Any  # int, or an int32 scalar being traced
+
+
+Condition = Any  # bool, or a bool scalar being traced
+
+
+def as_index(value: Any) -> Index:
+    import numpy as np
+    from jax import lax
+
+    if isinstance(value, int | np.integer) and not isinstance(value, bool):
+        return int(value)
+    return lax.convert_element_type(value, np.int32)
+
+
+def traced(value: Index) -> Any:
+    import numpy as np
+
+    return np.int32(value) if isinstance(value, int) else value
+
+
+def plus(a: Index, b: Index) -> Index:
+    from jax import lax
+
+    return a + b if isinstance(a, int) and isinstance(b, int) else lax.add(traced(a), traced(b))
+
+
+def times(a: Index, b: int) -> Index:
+    from jax import lax
+
+    return a * b if isinstance(a, int) else (a if b == 1 else lax.mul(a, traced(b)))
+
+
+def check_vector(ok: Any, message: str, vector: Any) -> None:
+    """One check whose values are one int32 vector already (``message``'s fields its elements)."""
+    from jax.experimental import checkify
+
+    checkify.check(ok, fields_of_one_vector(message), vector)
+
+
+def fields_of_one_vector(message: str) -> str:
+    """``message`` with its ``{}`` fields numbered as elements of one argument: ``{0[0]}``, ..."""
+    parts, position = [], 0
+    for literal, field, _, _ in string.Formatter().parse(message):
+        parts.append(literal.replace("{", "{{").replace("}", "}}"))
+        if field is not None:
+            parts.append(f"{{0[{position}]}}")
+            position += 1
+    return "".join(parts)
