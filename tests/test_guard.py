@@ -425,10 +425,11 @@ def test_core_map_writing_captured_refs_never_returns_zeros(guard: Any, xs: jax.
     hand too: jax < 0.11.2), the guard runs it in TPU interpret mode: jax 0.8-0.10's refuses this
     body's direct read of an HBM ref, as a TPU would (an error, never a wrong answer); jax 0.7's
     computes x + 3. From 0.11.2: plain, x + 3."""
+    from pallas_guard._deciding import facts as _facts
     from pallas_guard._deciding import interpreters as _interpreters
 
     guard("interpret")
-    plain_wrong = _interpreters.plain_gets_wrong(_interpreters.GENERIC._replace(captured_refs="captured"))
+    plain_wrong = _interpreters.plain_gets_wrong(_facts.GENERIC._replace(captured_refs="captured"))
     if plain_wrong and jax_lookup.jax_release() >= (0, 8):
         with pytest.raises(ValueError, match="cannot be referenced directly"):
             jax.jit(_core_map_call)(xs)

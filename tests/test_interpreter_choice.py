@@ -20,6 +20,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 import pallas_guard
 from pallas_guard import PallasGuardError
+from pallas_guard._deciding import facts as _facts
 from pallas_guard._deciding import interpreters as _interpreters
 from pallas_guard._guard import engine as _engine
 from pallas_guard._jax import pallas as jax_pallas
@@ -93,7 +94,7 @@ def _mosaic_gpu() -> object:
 
 
 def test_generic_kernel_has_no_backend_and_no_cross_device_needs() -> None:
-    facts = _interpreters.kernel_facts("pallas_call", copy_kernel, {})
+    facts = _facts.kernel_facts("pallas_call", copy_kernel, {})
     assert facts.family is None
     assert facts.cross_device is None
 
@@ -108,22 +109,22 @@ def test_generic_kernel_has_no_backend_and_no_cross_device_needs() -> None:
     ids=["tpu", "triton", "mosaic_gpu"],
 )
 def test_compiler_params_classified_by_defining_module(make_params: Callable[[], object], family: str) -> None:
-    facts = _interpreters.kernel_facts("pallas_call", copy_kernel, {"compiler_params": make_params()})
+    facts = _facts.kernel_facts("pallas_call", copy_kernel, {"compiler_params": make_params()})
     assert facts.family == family
     assert "compiler_params" in facts.family_evidence
 
 
 def test_tpu_grid_spec_and_scratch_shapes_mark_a_tpu_kernel() -> None:
     grid_spec = pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=0, scratch_shapes=[pltpu.SemaphoreType.DMA])
-    assert _interpreters.kernel_facts("pallas_call", copy_kernel, {"grid_spec": grid_spec}).family == "mosaic_tpu"
+    assert _facts.kernel_facts("pallas_call", copy_kernel, {"grid_spec": grid_spec}).family == "mosaic_tpu"
     scratch = {"scratch_shapes": [pltpu.VMEM((8, 128), jnp.float32), pltpu.SemaphoreType.DMA((2,))]}
-    facts = _interpreters.kernel_facts("pallas_call", dma_kernel, scratch)
+    facts = _facts.kernel_facts("pallas_call", dma_kernel, scratch)
     assert facts.family == "mosaic_tpu"
     assert facts.cross_device is None  # local DMAs and DMA semaphores: the plain interpreter runs them
 
 
 def test_plgpu_kernel_is_mosaic_gpu() -> None:
-    assert _interpreters.kernel_facts("plgpu.kernel", copy_kernel, {}).family == "mosaic_gpu"
+    assert _facts.kernel_facts("plgpu.kernel", copy_kernel, {}).family == "mosaic_gpu"
 
 
 @pytest.mark.parametrize(
@@ -138,13 +139,13 @@ def test_plgpu_kernel_is_mosaic_gpu() -> None:
     ids=["collective_id", "barrier-scratch", "remote-dma", "remote-dma-partial", "device-id-signal"],
 )
 def test_cross_device_facts(body: Callable[..., None], kwargs: dict[str, object], why: str) -> None:
-    facts = _interpreters.kernel_facts("pallas_call", body, kwargs)
+    facts = _facts.kernel_facts("pallas_call", body, kwargs)
     assert facts.cross_device is not None
     assert why in facts.cross_device
 
 
 def test_triton_kernel_is_never_cross_device() -> None:
-    facts = _interpreters.kernel_facts("pallas_call", remote_kernel, {"compiler_params": _triton_params()})
+    facts = _facts.kernel_facts("pallas_call", remote_kernel, {"compiler_params": _triton_params()})
     assert facts.family == "triton"
     assert facts.cross_device is None
 
@@ -161,20 +162,20 @@ def _core_mesh() -> object:
 
 def test_generic_and_triton_kernels_get_the_plain_interpreter_alone() -> None:
     for kwargs in ({}, {"compiler_params": _triton_params()}):
-        chosen = _interpreters.candidates(AUTO, _interpreters.kernel_facts("pallas_call", dma_kernel, kwargs))
+        chosen = _interpreters.candidates(AUTO, _facts.kernel_facts("pallas_call", dma_kernel, kwargs))
         assert chosen.names == ("plain",) and not chosen.verify
         assert _engine.interpret_value("plain", chosen) is None  # the lowering net substitutes interpret=True
 
 
 def test_mosaic_tpu_kernels_try_plain_first_and_verify() -> None:
-    facts = _interpreters.kernel_facts("pallas_call", dma_kernel, {"compiler_params": pltpu.CompilerParams()})
+    facts = _facts.kernel_facts("pallas_call", dma_kernel, {"compiler_params": pltpu.CompilerParams()})
     chosen = _interpreters.candidates(AUTO, facts)
     assert chosen.names == ("plain", "tpu") and chosen.verify
 
 
 def test_kernels_over_a_tpu_core_mesh_get_tpu_interpret_mode() -> None:
     mesh = _core_mesh()
-    facts = _interpreters.kernel_facts("pl.kernel", copy_kernel, {"mesh": mesh})
+    facts = _facts.kernel_facts("pl.kernel", copy_kernel, {"mesh": mesh})
     assert facts.core_mesh == type(mesh).__name__
     chosen = _interpreters.candidates(AUTO, facts)
     assert chosen.names == ("tpu", "plain") and chosen.verify
@@ -187,17 +188,15 @@ def test_program_id_inside_control_flow_is_verified_with_tpu_interpret_mode_as_f
         def _():  # type: ignore[no-untyped-def]
             o_ref[...] = x_ref[...] + pl.program_id(0)
 
-    chosen = _interpreters.candidates(AUTO, _interpreters.kernel_facts("pallas_call", kernel, {}))
+    chosen = _interpreters.candidates(AUTO, _facts.kernel_facts("pallas_call", kernel, {}))
     assert chosen.names == ("plain", "tpu") and chosen.verify
     assert "program_id" in chosen.reason
     # At the top level the plain interpreter handles it: nothing to verify.
-    assert _interpreters.candidates(AUTO, _interpreters.kernel_facts("pallas_call", copy_kernel, {})).names == (
-        "plain",
-    )
+    assert _interpreters.candidates(AUTO, _facts.kernel_facts("pallas_call", copy_kernel, {})).names == ("plain",)
 
 
 def test_cross_device_kernels_get_tpu_interpret_mode_with_eager_dmas() -> None:
-    facts = _interpreters.kernel_facts("pallas_call", remote_kernel, {})
+    facts = _facts.kernel_facts("pallas_call", remote_kernel, {})
     chosen = _interpreters.candidates(AUTO, facts)
     assert chosen.names == ("tpu",) and not chosen.verify
     value = _engine.interpret_value("tpu", chosen)
@@ -207,7 +206,7 @@ def test_cross_device_kernels_get_tpu_interpret_mode_with_eager_dmas() -> None:
 
 
 def test_mosaic_gpu_kernels_try_the_mosaic_gpu_interpreter_first() -> None:
-    facts = _interpreters.kernel_facts("plgpu.kernel", copy_kernel, {})
+    facts = _facts.kernel_facts("plgpu.kernel", copy_kernel, {})
     chosen = _interpreters.candidates(AUTO, facts)
     assert chosen.names == ("gpu",) and not chosen.verify
     gpu_class = jax_pallas.gpu_params_class()
@@ -219,7 +218,7 @@ def test_mosaic_gpu_kernels_try_the_mosaic_gpu_interpreter_first() -> None:
 
 @pytest.mark.parametrize("forced", ["plain", "tpu", "gpu"])
 def test_forced_interpreter_wins_over_facts(forced: str) -> None:
-    facts = _interpreters.kernel_facts("pallas_call", remote_kernel, {})
+    facts = _facts.kernel_facts("pallas_call", remote_kernel, {})
     chosen = _interpreters.candidates(_setting(forced), facts)
     assert chosen.names == (forced,) and not chosen.verify
     assert "forced by test" in chosen.reason
@@ -230,33 +229,33 @@ def test_race_detection_stays_where_the_kernel_runs() -> None:
     # Kernels on one core stay in the plain interpreter, which checks races itself at its speed:
     # nothing to warn of. A Mosaic-TPU kernel plain may get wrong keeps TPU interpret mode as its
     # verified second choice, with that interpreter's detector on.
-    mosaic_tpu = _interpreters.kernel_facts("pallas_call", dma_kernel, {"compiler_params": pltpu.CompilerParams()})
-    triton = _interpreters.kernel_facts("pallas_call", copy_kernel, {"compiler_params": _triton_params()})
-    for facts in (_interpreters.GENERIC, mosaic_tpu, triton):
+    mosaic_tpu = _facts.kernel_facts("pallas_call", dma_kernel, {"compiler_params": pltpu.CompilerParams()})
+    triton = _facts.kernel_facts("pallas_call", copy_kernel, {"compiler_params": _triton_params()})
+    for facts in (_facts.GENERIC, mosaic_tpu, triton):
         chosen = _interpreters.candidates(AUTO, facts, checks=races)
         assert chosen.names[0] == "plain" and chosen.checked == races and chosen.checks_note is None
         assert chosen.detect_races == ("tpu" in chosen.names)
     # Kernels whose interpreter is already a checking one keep it, its detector on.
-    core_mesh = _interpreters.kernel_facts("pl.kernel", copy_kernel, {"mesh": _core_mesh()})
-    mosaic_gpu = _interpreters.kernel_facts("plgpu.kernel", copy_kernel, {})
+    core_mesh = _facts.kernel_facts("pl.kernel", copy_kernel, {"mesh": _core_mesh()})
+    mosaic_gpu = _facts.kernel_facts("plgpu.kernel", copy_kernel, {})
     for facts, checking in ((core_mesh, "tpu"), (mosaic_gpu, "gpu")):
         chosen = _interpreters.candidates(AUTO, facts, checks=races)
         assert chosen.names == (checking,) and chosen.checked == races and chosen.checks_note is None
     # Forced to TPU interpret mode: the route to JAX's detector stays open.
-    forced = _interpreters.candidates(_setting("tpu"), _interpreters.GENERIC, checks=races)
+    forced = _interpreters.candidates(_setting("tpu"), _facts.GENERIC, checks=races)
     assert forced.names == ("tpu",) and forced.detect_races
     assert _engine.interpret_value("tpu", forced).detect_races is True
 
 
 def test_inside_a_lowering_only_plain_is_possible() -> None:
-    facts = _interpreters.kernel_facts("pallas_call", remote_kernel, {})
+    facts = _facts.kernel_facts("pallas_call", remote_kernel, {})
     chosen = _interpreters.candidates(_setting("tpu"), facts, effects_refused="traced during lowering")
     assert chosen.names == ("plain",)
     assert "lowering" in chosen.reason
 
 
 def test_collective_id_alone_selects_tpu_interpret_mode() -> None:
-    facts = _interpreters.kernel_facts("pallas_call", None, {"compiler_params": pltpu.CompilerParams(collective_id=0)})
+    facts = _facts.kernel_facts("pallas_call", None, {"compiler_params": pltpu.CompilerParams(collective_id=0)})
     assert _interpreters.candidates(AUTO, facts).names == ("tpu",)
 
 

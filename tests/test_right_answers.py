@@ -16,6 +16,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 import pallas_guard
+from pallas_guard._deciding import facts as _facts
 from pallas_guard._deciding import interpreters as _interpreters
 from pallas_guard._jax import lookup as jax_lookup
 
@@ -62,7 +63,7 @@ def test_a_kernel_writing_captured_refs_gets_the_right_answer(guard: Callable[..
     guard("interpret")
     np.testing.assert_array_equal(jax.jit(build)(X), X)
     (decision,) = pallas_guard.decisions()
-    gap = _interpreters.plain_gets_wrong(_interpreters.GENERIC._replace(captured_refs="captured"))
+    gap = _interpreters.plain_gets_wrong(_facts.GENERIC._replace(captured_refs="captured"))
     assert decision.interpreter == ("tpu" if gap else "plain")
 
 

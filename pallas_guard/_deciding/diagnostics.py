@@ -11,6 +11,7 @@ import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Literal, NamedTuple
 
+from pallas_guard._deciding import facts as _facts
 from pallas_guard._deciding import interpreters as _interpreters
 from pallas_guard._deciding.target import Target, accelerator_evidence
 from pallas_guard._jax import lookup as jax_lookup
@@ -34,7 +35,7 @@ def _code_location(function: Any) -> str | None:
 
 def kernel_from_callable(kernel: object, *, entry_point: str, name: object = None) -> KernelInfo:
     """Facts about a kernel body the user handed to an entry point."""
-    function = _interpreters.innermost_function(kernel)
+    function = _facts.innermost_function(kernel)
     label = getattr(function, "__qualname__", None) or getattr(function, "__name__", None)
     if isinstance(name, str) and name:
         label = f"{name} ({label})" if label and label != name else name

@@ -16,7 +16,7 @@ from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
 from pallas_guard._deciding import diagnostics as _diagnostics
-from pallas_guard._deciding import interpreters as _interpreters
+from pallas_guard._deciding import facts as _facts
 from pallas_guard._jax import pallas as jax_pallas
 from pallas_guard._vocabulary.entry_points import PALLAS_CALL, EntryPoint
 
@@ -63,9 +63,9 @@ class Kernel:
         return _diagnostics.kernel_from_callable(self.body, entry_point=self.entry.label, name=self.kwargs.get("name"))
 
     @functools.cached_property
-    def facts(self) -> _interpreters.KernelFacts:
+    def facts(self) -> _facts.KernelFacts:
         mesh = self.entry.mesh(self.args, self.kwargs)
-        return _interpreters.kernel_facts(self.entry.label, self.body, self.kwargs, mesh=mesh)
+        return _facts.kernel_facts(self.entry.label, self.body, self.kwargs, mesh=mesh)
 
     @functools.cached_property
     def identity(self) -> Hashable | None:
@@ -103,10 +103,10 @@ class Kernel:
 
 def _globals_read(body: object) -> dict[str, object]:
     """The module globals the body's code, its nested functions and its module's helpers name."""
-    namespace = getattr(_interpreters.innermost_function(body), "__globals__", None) or {}
+    namespace = getattr(_facts.innermost_function(body), "__globals__", None) or {}
     return {
         name: namespace[name]
-        for code in _interpreters.code_objects(body, helpers=True)
+        for code in _facts.code_objects(body, helpers=True)
         for name in code.co_names
         if name in namespace and not isinstance(namespace[name], types.ModuleType)
     }
