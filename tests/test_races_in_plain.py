@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 import pallas_guard
+from pallas_guard._checks import dma_jaxpr, dma_table
 from pallas_guard._checks import dma_races as _dma_races
 from pallas_guard._jax import lookup as jax_lookup
 from pallas_guard._jax import pallas as jax_pallas
@@ -168,12 +169,12 @@ def test_a_race_in_a_later_grid_step_names_that_step(guarded: Callable[..., None
     assert "at grid step (2,)" in finding  # the last of three steps, where the kernel ends
 
 
-def _instrumented(name: str) -> tuple[dict[str, Any], dict[str, Any], _dma_races.Instrumented]:
+def _instrumented(name: str) -> tuple[dict[str, Any], dict[str, Any], dma_table.Instrumented]:
     """(the kernel's params, what the check makes of them, what its findings refer to)."""
     fn, args = race_corpus.case(name).build(True)
     [eqn] = [e for e in jax.make_jaxpr(fn)(*args).jaxpr.eqns if e.primitive.name == "pallas_call"]
     params = jax_state.private_params(dict(eqn.params))
-    instrumented = _dma_races.Instrumented()
+    instrumented = dma_table.Instrumented()
     return params, _dma_races.instrument(params, instrumented), instrumented
 
 
@@ -224,7 +225,7 @@ def test_a_read_whose_overlap_with_the_dma_in_flight_is_traced_gets_one_check_of
     call, args = _read_at(8)
     [eqn] = [e for e in jax.make_jaxpr(call)(*args).jaxpr.eqns if e.primitive.name == "pallas_call"]
     params = jax_state.private_params(dict(eqn.params))
-    instrumented = _dma_races.Instrumented()
+    instrumented = dma_table.Instrumented()
     checked = _dma_races.instrument(params, instrumented)
     assert [p.kind for p in instrumented.points] == [1]  # decided while tracing: no table
     assert len(checked["jaxpr"].invars) == len(params["jaxpr"].invars)
@@ -258,7 +259,7 @@ def test_a_kernel_without_dmas_is_not_traced_again() -> None:
     x = np.ones((8, 128), np.float32)
     jaxpr = jax.make_jaxpr(functools.partial(pl.pallas_call(kernel, out_shape=x, interpret=True)))(x)
     [eqn] = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "pallas_call"]
-    assert not _dma_races.has_dmas(eqn.params["jaxpr"])  # the checked lowering leaves it as it is
+    assert not dma_jaxpr.has_dmas(eqn.params["jaxpr"])  # the checked lowering leaves it as it is
 
 
 def test_the_table_is_one_scratch_buffer_more_and_changes_no_block() -> None:
@@ -273,7 +274,7 @@ def test_a_kernel_whose_dmas_the_check_cannot_follow_runs_unchecked_and_its_deci
     guarded: Callable[..., None], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # A primitive the check does not descend into holds the DMAs: here `cond`, made unknown to it.
-    monkeypatch.setattr(_dma_races, "_HANDLED", _dma_races._HANDLED - {"cond"})
+    monkeypatch.setattr(dma_jaxpr, "_HANDLED", dma_jaxpr._HANDLED - {"cond"})
     guarded(checks="races")
     out, finding = _run(race_corpus.case("read_before_wait.in_cond_branch"))
     assert finding is None and out is not None  # the race goes unseen: the note must say so

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 from pallas_guard._checks import dma_races as _dma_races
 from pallas_guard._checks import protocol as _checks
 from pallas_guard._checks.checked_plain import Active, PlainLowering
+from pallas_guard._checks.dma_jaxpr import has_dmas
+from pallas_guard._checks.dma_table import Instrumented, Unsupported
 from pallas_guard._deciding import diagnostics as _diagnostics
 from pallas_guard._jax import pallas as jax_pallas
 from pallas_guard._running import findings as _findings
@@ -32,12 +34,12 @@ class Races(_checks.Check):
     def arm_plain(self, lowering: PlainLowering) -> Active | None:
         """The kernel traced again with its DMA table; None where its DMAs cannot race (decided
         while tracing) or cannot be followed (its decision says why)."""
-        if not _dma_races.has_dmas(lowering.params["jaxpr"]):
+        if not has_dmas(lowering.params["jaxpr"]):
             return None
-        races = _dma_races.Instrumented()
+        races = Instrumented()
         try:
             lowering.params = _dma_races.instrument(lowering.params, races)
-        except _dma_races.Unsupported as why:
+        except Unsupported as why:
             kernel, call_site = lowering.kernel, lowering.call_site
             note = f"runs unchecked: races could not be checked: {why}"
             _record.annotate(

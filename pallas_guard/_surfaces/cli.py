@@ -169,7 +169,6 @@ def _pytest_report(problems: list[str]) -> dict[str, Any]:
 
 
 def _jax_facts(problems: list[str]) -> dict[str, Any]:
-
     facts: dict[str, Any] = {"jax": _distribution_version("jax"), "jaxlib": _distribution_version("jaxlib")}
     if facts["jax"] is None or jax_lookup.import_optional("jax") is None:
         problems.append("jax is not installed (or does not import): there are no Pallas kernels to guard here.")
