@@ -476,3 +476,45 @@ def test_a_finding_is_a_pallas_guard_error_whatever_set_the_check(jit: bool, whe
     assert "CpuCallback" not in str(raised.value) and raised.value.__cause__ is None
     found = [d for d in pallas_guard.decisions() if d.action == "found"]
     assert [(d.check, d.interpreter) for d in found] == [("bounds", "plain")]
+
+
+def _read_at(i_ref, x_ref, o_ref):  # type: ignore[no-untyped-def]
+    o_ref[...] = x_ref[pl.ds(i_ref[0], 8)]
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("where", ["install", "policy scope"])
+def test_a_later_call_that_faults_is_a_pallas_guard_error_naming_its_call(jit: bool, where: str) -> None:
+    """The executable compiled at a clean first call runs again at a faulting later one (same
+    shapes, an index out of range): its finding is PallasGuardError there too (also where JAX
+    dispatches a jitted computation's later calls from C++) and is recorded once. It names the
+    faulting call where the kernel is called eagerly, the line of the traced code under jit."""
+    kernel = pl.pallas_call(
+        _read_at,
+        out_shape=jax.ShapeDtypeStruct((8,), jnp.float32),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=(1,),
+            in_specs=[pl.BlockSpec((24,), lambda i, s: (0,))],
+            out_specs=pl.BlockSpec((8,), lambda i, s: (0,)),
+        ),
+    )
+    call = jax.jit(lambda start, x: kernel(start, x)) if jit else kernel  # KERNEL-IN-JIT
+    pallas_guard.uninstall()
+    if where == "install":
+        pallas_guard.install("interpret", checks="bounds")
+        scope: Any = contextlib.nullcontext()
+    else:
+        pallas_guard.install("interpret")
+        scope = pallas_guard.policy(checks="bounds")
+    with scope:
+        for start in (2, 4):
+            ok = jax.block_until_ready(call(jnp.array([start], jnp.int32), X))
+            assert ok.tolist() == X[start : start + 8].tolist()
+        with pytest.raises(PallasGuardError) as raised:
+            jax.block_until_ready(call(jnp.array([20], jnp.int32), X))  # FAULTING-CALL
+    assert type(raised.value) is PallasGuardError and "CpuCallback" not in str(raised.value)
+    site = f"{__file__}:{line_of('KERNEL-IN-JIT' if jit else 'FAULTING-CALL')}"
+    assert f"called at {site}" in str(raised.value), str(raised.value)
+    (found,) = [d for d in pallas_guard.decisions() if d.action == "found"]
+    assert found.called_at == site

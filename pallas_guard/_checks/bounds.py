@@ -439,12 +439,14 @@ class Bounds(_checks.Check):
         grid_mapping = lowering.given.get("grid_mapping")
         return functools.partial(_checking_in, _Checking(_blocks(grid_mapping), grid_mapping))
 
-    def plain_finding(self, message: str, lowering: PlainLowering, source: str) -> PallasGuardError:
+    def plain_finding(
+        self, message: str, lowering: PlainLowering, source: str, call_site: _diagnostics.CallSite
+    ) -> PallasGuardError:
         # Every failed check the races check does not claim is an access outside its buffer.
-        return _diagnostics.bounds_finding(message, kernel=lowering.kernel, call_site=lowering.call_site, source=source)
+        return _diagnostics.bounds_finding(message, kernel=lowering.kernel, call_site=call_site, source=source)
 
     def finding(self, run: Run, error: BaseException) -> PallasGuardError | None:
-        recorded = _findings.recorded_in(error)
+        recorded = _findings.recorded_in(error, run.call_site)
         if recorded is not None:
             return recorded
         found = _diagnostics.bounds_error(error, kernel=run.kernel.info, call_site=run.call_site)

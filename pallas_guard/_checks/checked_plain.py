@@ -154,18 +154,21 @@ def _raise_finding(error: Any, *, lowering: PlainLowering, checks: tuple[_checks
     if not finding:
         return
     message = str(finding).splitlines()[0].removesuffix(" (`check` failed)")
-    for check in checks:
-        found = check.plain_finding(message, lowering, source)
-        if found is not None:
-            break
-    else:  # no check knows the message as its own: still a finding, never dropped
-        check = checks[0]
-        found = PallasGuardError(
-            f"pallas_guard: the {check.name} check found, in Pallas kernel {lowering.kernel.name}: {message}"
-        )
-    _findings.record(
-        _checks.found(check.name, found, kernel=lowering.kernel, call_site=lowering.call_site, interpreter="plain")
-    )
+    check = next((c for c in checks if c.plain_finding(message, lowering, source, lowering.call_site)), checks[0])
+
+    def build(call_site: CallSite) -> PallasGuardError:
+        found = check.plain_finding(message, lowering, source, call_site)
+        if found is None:  # no check knows the message as its own: still a finding, never dropped
+            found = PallasGuardError(
+                f"pallas_guard: the {check.name} check found, in Pallas kernel {lowering.kernel.name}: {message}"
+            )
+        return found
+
+    def report(found: PallasGuardError, call_site: CallSite) -> PallasGuardError:
+        return _checks.found(check.name, found, kernel=lowering.kernel, call_site=call_site, interpreter="plain")
+
+    # Written for the call that faulted, found when the computation returns to the caller.
+    _findings.record(_findings.AtTheCall(build, report, lowering.call_site))
 
 
 # --- what the checks made inside it share: where an access is, its index arithmetic ---------------

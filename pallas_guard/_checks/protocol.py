@@ -67,9 +67,12 @@ class Check:
         interpreter is traced, or None where the check has nothing to check in this kernel."""
         return None
 
-    def plain_finding(self, message: str, lowering: PlainLowering, source: str) -> PallasGuardError | None:
-        """The finding a failed ``checkify`` check of the checked plain interpretation is, where it is
-        this check's (``message``: the check's text, its fields filled in), else None."""
+    def plain_finding(
+        self, message: str, lowering: PlainLowering, source: str, call_site: CallSite
+    ) -> PallasGuardError | None:
+        """The finding a failed ``checkify`` check of the checked plain interpretation is, for the
+        call at ``call_site``, where it is this check's (``message``: the check's text, its fields
+        filled in), else None."""
         return None
 
 

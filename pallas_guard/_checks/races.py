@@ -51,14 +51,14 @@ class Races(_checks.Check):
         lowering.state[self.name] = races
         return contextlib.nullcontext
 
-    def plain_finding(self, message: str, lowering: PlainLowering, source: str) -> PallasGuardError | None:
+    def plain_finding(
+        self, message: str, lowering: PlainLowering, source: str, call_site: _diagnostics.CallSite
+    ) -> PallasGuardError | None:
         races = lowering.state.get(self.name)
         if races is None or not _dma_races.is_race(message):
             return None
         what, text = _dma_races.describe(message, races)
-        return _diagnostics.race_finding(
-            text, what=what, kernel=lowering.kernel, call_site=lowering.call_site, source=source
-        )
+        return _diagnostics.race_finding(text, what=what, kernel=lowering.kernel, call_site=call_site, source=source)
 
     def after(self, run: Run, out: Any, interpreter: str) -> None:
         # Only the interpreter that ran with the detector has a race state to read: a kernel the

@@ -468,7 +468,8 @@ class Run:
         """Call ``function``; a failure the guard can attribute to the CPU becomes PallasGuardError."""
         __tracebackhide__ = True
         try:
-            return function(*args, **kwargs)
+            with _findings.eager_call(self.call_site):
+                return function(*args, **kwargs)
         except PallasGuardError:
             raise
         except Exception as error:
@@ -485,7 +486,7 @@ class Run:
             found = check.finding(self, error)
             if found is not None:
                 return found
-        return _findings.recorded_in(error)
+        return _findings.recorded_in(error, self.call_site)
 
     def _explain(self, error: BaseException, name: str) -> None:
         """What the guard knows of a failure the CPU or the interpreter caused, as a note on it."""

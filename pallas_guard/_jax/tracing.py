@@ -117,3 +117,19 @@ def retrace_logs_muted() -> Iterator[None]:
         yield
     finally:
         root.removeFilter(keep)
+
+
+FAST_DISPATCH_DATA = "_get_fastpath_data"
+"""What ``jax.jit`` asks, after a computation's first call through Python, for the data of its C++
+dispatch (None: every call through Python, as a computation with effects is)."""
+
+
+def fast_dispatch_module() -> types.ModuleType | None:
+    module = import_optional("jax._src.pjit")
+    if module is None or not callable(vars(module).get(FAST_DISPATCH_DATA)):
+        note_missing(
+            f"pjit.{FAST_DISPATCH_DATA}",
+            "a run-time finding of a jitted call after its first may arrive inside JAX's runtime error",
+        )
+        return None
+    return module

@@ -7,19 +7,29 @@ eager or jitted. So the callback records the finding here, under a token, and ra
 token; the guard's wrapper around JAX's executable call, the Python frame every computation with
 host callbacks runs through (eager calls and ``jax.jit`` alike), raises the recorded finding in
 place of JAX's error, after the call and outside the callback, as checkify raises what it carried
-out of a computation.
+out of a computation. A finding that names its call (the bounds and races checks') is written
+there: for an eager call, the call that faulted (JAX runs the executable compiled at the first
+call again at later ones, from other lines); under a trace, where the traced code called the kernel.
+
+JAX's C++ dispatch of a jitted computation, which skips that wrapper, is not used for a CPU
+computation with host callbacks compiled while such a check is in force: its finding would reach
+the caller of a later call as JAX's runtime error.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
+import contextvars
+import functools
 import itertools
 import logging
 import re
 import threading
-from collections.abc import Callable
-from typing import Any, NoReturn
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple, NoReturn
 
+from pallas_guard._deciding.diagnostics import CallSite
 from pallas_guard._jax import tracing as jax_tracing
 from pallas_guard._vocabulary.errors import PallasGuardError
 from pallas_guard._vocabulary.patch import wrap
@@ -30,7 +40,23 @@ _KEPT = 64  # findings whose computation never returned to a wrapped call (anoth
 
 _lock = threading.Lock()
 _numbers = itertools.count(1)
-_pending: collections.OrderedDict[int, PallasGuardError] = collections.OrderedDict()
+
+
+class AtTheCall(NamedTuple):
+    """A finding written for the call that made it: its text for a call site (``build``), and
+    ``report``, which records it as its check's finding and returns it."""
+
+    build: Callable[[CallSite], PallasGuardError]
+    report: Callable[[PallasGuardError, CallSite], PallasGuardError]
+    lowered_for: CallSite
+    """The call the kernel was lowered for: the site where none is on the stack."""
+
+    def at(self, call_site: CallSite | None) -> PallasGuardError:
+        site = call_site if call_site is not None and call_site.user else self.lowered_for
+        return self.report(self.build(site), site)
+
+
+_pending: collections.OrderedDict[int, PallasGuardError | AtTheCall] = collections.OrderedDict()
 
 
 class RecordedFinding(Exception):
@@ -38,32 +64,51 @@ class RecordedFinding(Exception):
     as it is where no wrapper translates it)."""
 
 
-def record(finding: PallasGuardError) -> NoReturn:
+_eager_call: contextvars.ContextVar[CallSite | None] = contextvars.ContextVar("pallas_guard_call", default=None)
+
+
+@contextlib.contextmanager
+def eager_call(call_site: CallSite) -> Iterator[None]:
+    """Inside: the kernel called eagerly at ``call_site`` runs, and a finding it makes names it."""
+    token = _eager_call.set(call_site)
+    try:
+        yield
+    finally:
+        _eager_call.reset(token)
+
+
+def record(finding: PallasGuardError | AtTheCall) -> NoReturn:
     """Keep ``finding`` for the caller of the computation, and stop the computation."""
     number = next(_numbers)
     with _lock:
         _pending[number] = finding
         while len(_pending) > _KEPT:
             _pending.popitem(last=False)
-    raise RecordedFinding(f"{_TOKEN}{number}: {finding}")
+    text = finding.build(finding.lowered_for) if isinstance(finding, AtTheCall) else finding
+    raise RecordedFinding(f"{_TOKEN}{number}: {text}")
 
 
-def recorded_in(error: BaseException) -> PallasGuardError | None:
+def recorded_in(error: BaseException, call_site: CallSite | None = None) -> PallasGuardError | None:
     """The finding ``error`` carries (JAX's runtime error around a recorded finding), taken out of
-    the record; None when it carries none."""
+    the record, written for ``call_site`` where it names its call; None when it carries none."""
     if isinstance(error, PallasGuardError):
         return error
     match = _TOKEN_PATTERN.search(str(error))
     if match is None:
         return None
     with _lock:
-        return _pending.pop(int(match.group(1)), None)
+        found = _pending.pop(int(match.group(1)), None)
+    return found.at(call_site) if isinstance(found, AtTheCall) else found
 
 
-def hook(hooks: list[Any]) -> None:
+def hook(hooks: list[Any], *, checking_at_run_time: Callable[[], bool]) -> None:
     """Wrap JAX's executable call once and quiet JAX's log of a recorded finding; the entries added
-    to ``hooks`` put both back."""
+    to ``hooks`` put both back. While ``checking_at_run_time()`` (a check in force finds while a
+    computation runs), a CPU computation with host callbacks compiled then is dispatched from Python."""
     wrap(jax_tracing.executable_class(), "__call__", _raising_findings, hooks, is_ours=_is_ours)
+    dispatch = jax_tracing.fast_dispatch_module()
+    through = functools.partial(_through_the_wrapper, checking_at_run_time=checking_at_run_time)
+    wrap(dispatch, jax_tracing.FAST_DISPATCH_DATA, through, hooks, is_ours=_is_ours)
     if not any(isinstance(f, _QuietFindings) for f in logging.getLogger(_CALLBACK_LOGGER).filters):
         hooks.append(_QuietFindings())
 
@@ -96,7 +141,7 @@ def _raising_findings(call: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return call(self, *args, **kwargs)
         except Exception as error:
-            found = recorded_in(error)
+            found = recorded_in(error, _eager_call.get())
             if found is None:
                 raise
             # JAX's error says nothing the finding does not (its text is the callback's traceback).
@@ -104,3 +149,23 @@ def _raising_findings(call: Callable[..., Any]) -> Callable[..., Any]:
 
     pallas_guard_execute.pallas_guard_findings = True  # type: ignore[attr-defined]
     return pallas_guard_execute
+
+
+def _through_the_wrapper(
+    fast_path_data: Callable[..., Any], *, checking_at_run_time: Callable[[], bool]
+) -> Callable[..., Any]:
+    # Asked once per computation, at its first call: the settings then are those it was compiled
+    # under (a computation compiled without a check has no finding to raise).
+    def pallas_guard_fast_path_data(executable: Any, *args: Any, **kwargs: Any) -> Any:
+        call = getattr(executable, "unsafe_call", None)
+        if getattr(call, "has_host_callbacks", False) and _on_cpu(call) and checking_at_run_time():
+            return None  # dispatched from Python, through the wrapper that raises a finding
+        return fast_path_data(executable, *args, **kwargs)
+
+    pallas_guard_fast_path_data.pallas_guard_findings = True  # type: ignore[attr-defined]
+    return pallas_guard_fast_path_data
+
+
+def _on_cpu(call: Any) -> bool:
+    devices = getattr(call, "_local_devices", None) or ()
+    return bool(devices) and all(getattr(device, "platform", None) == "cpu" for device in devices)

@@ -272,9 +272,13 @@ class Installation:
         if self.rules or self.net_gaps:
             return
         jax_source.exclude_guard_frames_from_jax_tracebacks()
+        from pallas_guard._checks import checked_plain
         from pallas_guard._running import findings as _findings
 
-        _findings.hook(self.hooks)
+        _findings.hook(
+            self.hooks,
+            checking_at_run_time=lambda: bool(checked_plain.plain(_settings.current("checks").value)),
+        )
         self.routes_via_mpmd = jax_pallas.has_mpmd_module()
         nets = {"pallas_call": ("pallas_call", "pallas_call_p", jax_pallas.pallas_call_primitive())}
         if self.routes_via_mpmd:
