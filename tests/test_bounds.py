@@ -499,7 +499,11 @@ def test_a_later_call_that_faults_is_a_pallas_guard_error_naming_its_call(jit: b
             out_specs=pl.BlockSpec((8,), lambda i, s: (0,)),
         ),
     )
-    call = jax.jit(lambda start, x: kernel(start, x)) if jit else kernel  # KERNEL-IN-JIT
+
+    def traced(start: jax.Array, x: jax.Array) -> jax.Array:
+        return kernel(start, x)  # KERNEL-IN-JIT
+
+    call = jax.jit(traced) if jit else kernel
     pallas_guard.uninstall()
     if where == "install":
         pallas_guard.install("interpret", checks="bounds")
