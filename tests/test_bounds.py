@@ -457,19 +457,23 @@ def test_uninstall_puts_back_every_function_the_check_wrapped() -> None:
     assert not getattr(pxla.ExecuteReplicated.__call__, "pallas_guard_findings", False)
 
 
+def _bounds_set_by(where: str) -> contextlib.AbstractContextManager[Any]:
+    """The guard reinstalled with bounds set by ``install()`` or by the ``policy()`` scope returned."""
+    pallas_guard.uninstall()
+    if where == "install":
+        pallas_guard.install("interpret", checks="bounds")
+        return contextlib.nullcontext()
+    pallas_guard.install("interpret")
+    return pallas_guard.policy(checks="bounds")
+
+
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 @pytest.mark.parametrize("where", ["install", "policy scope"])
 def test_a_finding_is_a_pallas_guard_error_whatever_set_the_check(jit: bool, where: str) -> None:
     """Eager or under jit, from install() or a policy() scope: the finding reaches the caller as
     PallasGuardError itself (not inside JAX's runtime error) and is recorded as a decision."""
     call = _generic(shifted_read, 3)
-    pallas_guard.uninstall()
-    if where == "install":
-        pallas_guard.install("interpret", checks="bounds")
-        scope: Any = contextlib.nullcontext()
-    else:
-        pallas_guard.install("interpret")
-        scope = pallas_guard.policy(checks="bounds")
+    scope = _bounds_set_by(where)
     with scope, pytest.raises(PallasGuardError) as raised:
         jax.block_until_ready(jax.jit(call)() if jit else call())
     assert type(raised.value) is PallasGuardError
@@ -504,13 +508,7 @@ def test_a_later_call_that_faults_is_a_pallas_guard_error_naming_its_call(jit: b
         return kernel(start, x)  # KERNEL-IN-JIT
 
     call = jax.jit(traced) if jit else kernel
-    pallas_guard.uninstall()
-    if where == "install":
-        pallas_guard.install("interpret", checks="bounds")
-        scope: Any = contextlib.nullcontext()
-    else:
-        pallas_guard.install("interpret")
-        scope = pallas_guard.policy(checks="bounds")
+    scope = _bounds_set_by(where)
     with scope:
         for start in (2, 4):
             ok = jax.block_until_ready(call(jnp.array([start], jnp.int32), X))
