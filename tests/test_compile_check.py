@@ -187,8 +187,8 @@ def test_a_compile_that_succeeded_is_kept_on_disk_and_a_refusal_is_not(
     guard: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Any
 ) -> None:
     """A later run (here: the guard reinstalled, JAX's caches cleared) reads the kept compile, with
-    the same numbers, and says so; a refusal is compiled again each time; a damaged entry is
-    compiled again and rewritten."""
+    the same numbers, and says so; a refusal is not kept on disk (a later run compiles it again);
+    a damaged entry is compiled again and rewritten."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     kept = tmp_path / "pallas_guard" / "tpu-compiles"
 
@@ -223,8 +223,9 @@ def test_a_compile_that_succeeded_is_kept_on_disk_and_a_refusal_is_not(
 
 @needs_libtpu
 def test_a_vmem_overflow_says_which_operands_window_overflows(guard: Any) -> None:
-    """The TPU compiler's message whole: its list of allocations names each operand's window (what
-    JAX's own VMEM tests look for), not cut after a few lines. Lowered only: nothing is allocated."""
+    """The TPU compiler's list of allocations, summed up: the largest three by operand and window
+    (what JAX's own VMEM tests look for), in a finding of at most 15 lines. Lowered only: nothing
+    is allocated."""
     guard("interpret", checks="compile")
     block, shape = (2048, 8192), (4096, 16384)  # 64 MiB windows, double-buffered, in and out: 256 of 128 MiB
     spec = pl.BlockSpec(block, lambda i, j: (i, j))
@@ -240,9 +241,8 @@ def test_a_vmem_overflow_says_which_operands_window_overflows(guard: Any) -> Non
         jax.jit(call).lower(jax.ShapeDtypeStruct(shape, jnp.float32))
     text = str(raised.value)
     assert isinstance(raised.value, PallasGuardError)
-    assert "input window allocation for operator input 0" in text
-    assert "output window allocation for operator output 0" in text
-    assert "more lines" not in text
+    assert "for input 0 (window f32[2048,8192])" in text and "for output 0 (window f32[2048,8192])" in text
+    assert "more lines" not in text and len(text.splitlines()) <= 15
 
 
 @needs_libtpu
@@ -311,3 +311,49 @@ def test_under_a_mesh_of_this_hosts_devices_the_kernel_runs_and_the_note_says_th
         "compile: not checked for tpu-v5e: called under a mesh of this host's devices (jax.set_mesh), "
         "where the check cannot place it on a TPU",
     )
+
+
+def _refused_by_the_compiler() -> list[str]:
+    import json
+    from pathlib import Path
+
+    records = json.loads((Path(__file__).resolve().parent / "data" / "tpu_v5e_records.json").read_text())["cases"]
+    return sorted(name for name, record in records.items() if record["phase"] == "compile")
+
+
+@needs_libtpu
+@pytest.mark.parametrize("name", _refused_by_the_compiler())
+def test_every_compile_refusal_is_short_and_says_how_to_fix_it(guard: Any, name: str) -> None:
+    """Each kernel libtpu refuses (VMEM, SMEM, tiling, types, alignment, core-parallel axes): the
+    finding keeps the TPU's message, at most 15 lines with its "To fix", no "report a bug" line
+    (the kernel is at fault) and no raw protocol buffer."""
+    import tpu_corpus
+
+    case = tpu_corpus.by_name(name)
+    guard("interpret", checks="compile", device="tpu-v5e")
+    with pytest.raises(PallasGuardError) as raised:
+        jax.block_until_ready(case.build()(*case.inputs()))
+    text = str(raised.value)
+    assert "found by the compile check" in text and len(text.splitlines()) <= 15, text
+    assert "\nTo fix: " in text and "Please report a bug" not in text and "type.googleapis.com" not in text
+
+
+@needs_libtpu
+def test_a_refused_kernel_is_compiled_once_per_process(guard: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three calls of a kernel libtpu refuses: three findings, one compile (the refusal is kept for
+    the process, by what was compiled, for which generation)."""
+    compiles: list[int] = []
+    compile_once = jax.stages.Lowered.compile
+
+    def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        compiles.append(1)
+        return compile_once(self, *args, **kwargs)
+
+    monkeypatch.setattr(jax.stages.Lowered, "compile", counted)
+    guard("interpret", checks="compile")
+    call = _kernel((64, 128), jnp.float16)
+    for _ in range(3):
+        with pytest.raises(PallasGuardError, match="Invalid vector type for load"):
+            call(jnp.zeros((64, 128), jnp.float16))
+    assert len(compiles) == 1
+    assert len([d for d in pallas_guard.decisions() if d.action == "found"]) == 3

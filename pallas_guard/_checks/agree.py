@@ -5,21 +5,24 @@ interpreters have bugs of their own (a grid run as program 0 only, writes to cap
 dropped). Where two interpreters run the same kernel on the same inputs, what the kernel defines
 must agree: the output elements it wrote (an element it never writes is each interpreter's own
 fill, or a block left over from the step before: not a value), integers and booleans bit for bit,
-NaN equal to NaN whatever its payload, and floats within the last-place tolerance measured for
-the two interpreters on this jax (``TOLERANCES``: they evaluate the same transcendental functions
-through different XLA fusions). Which one is right: the one the table of what each interpreter
-gets wrong does not name, else the majority.
+NaN equal to NaN whatever its payload, and floats within a bound no rounding difference reaches
+(``float_bound``: two correct evaluations of one kernel round differently, through different XLA
+fusions of transcendental functions and reductions, but not by a share of the output's magnitude).
+Which one is right: the one the table of what each interpreter gets wrong does not name, else the
+majority.
 
 Each interpreter runs once, on the first call per kernel identity and shapes; the chosen one's
 outputs are the call's result. Under an outer trace (``jax.jit``, ``eval_shape``, ``.lower()``)
-nothing runs while tracing: the other interpreters are traced into the computation behind a
-first-run gate, and the comparison happens when, and only if, the computation runs.
+nothing runs while tracing: a host callback traced into the computation receives the call's
+operands and the chosen interpreter's outputs when, and only if, the computation runs, and runs
+the other interpreters there, on the host. An interpreter beside the chosen one that fails on a
+kernel the chosen one runs never fails the call: the decision says it was not compared, unless
+its failure is the kernel's fault (an index out of range), which is a finding.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import threading
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -28,7 +31,6 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from pallas_guard._checks import protocol as _checks
 from pallas_guard._deciding import diagnostics as _diagnostics
 from pallas_guard._deciding import interpreters as _interpreters
-from pallas_guard._jax import lookup as jax_lookup
 from pallas_guard._jax import pallas as jax_pallas
 from pallas_guard._jax import tracing as jax_tracing
 from pallas_guard._running import findings as _findings
@@ -39,43 +41,25 @@ if TYPE_CHECKING:
     from pallas_guard._guard.engine import Run
 
 
-@dataclasses.dataclass(frozen=True)
-class Tolerance:
-    """Two interpreters measured to round one dtype's arithmetic differently on some jax versions."""
+def float_bound(dtype: Any, scale: float) -> float:
+    """The largest difference two correct evaluations of a kernel may show in an output of floating
+    ``dtype`` whose largest finite magnitude is ``scale``: the square root of the dtype's machine
+    epsilon, times that magnitude. A correctly rounded result is within one epsilon of its value;
+    XLA's approximations of transcendental functions, fused or not, stay within a few thousand
+    (float32: 2^-23 each, the square root 2^-11.5, about 2900), and the cancellation of a sum or a
+    reduction loses precision relative to the largest term, not to the difference. What the check
+    is for, an interpreter computing a kernel wrongly (zeros, NaN, garbage, a dropped write), is
+    off by a share of the output's magnitude, far past it."""
+    import numpy as np
 
-    interpreters: frozenset[str]
-    dtype: str
-    ulps: int
-    """The largest difference seen, in units in the last place, on ``tests/test_agree.py``'s
-    kernels (transcendentals, fused sums, JAX's flash attention)."""
-    jax_from: tuple[int, ...] = (0,)
-    jax_below: tuple[int, ...] | None = None
-
-
-TOLERANCES: tuple[Tolerance, ...] = (
-    # TPU interpret mode evaluates each equation of the body on its own; the plain interpreter's
-    # loop body is one XLA fusion, whose exp/tanh/erf/log1p approximations round otherwise.
-    # Measured: float32 4 ulps on jax 0.10.2 (tanh + exp * erf - log1p; JAX's flash attention 1),
-    # 0 on 0.12.0.1; float16 2 ulps on 0.12.0.1, 0 on 0.10.2; bfloat16 0 on both.
-    Tolerance(frozenset({"plain", "tpu"}), "float32", 4),
-    Tolerance(frozenset({"plain", "tpu"}), "float64", 4),
-    Tolerance(frozenset({"plain", "tpu"}), "bfloat16", 1),
-    Tolerance(frozenset({"plain", "tpu"}), "float16", 2),
-    Tolerance(frozenset({"plain", "gpu"}), "float32", 4),
-    Tolerance(frozenset({"tpu", "gpu"}), "float32", 4),
-)
+    return float(np.sqrt(_epsilon(dtype))) * scale
 
 
-def tolerance(first: str, second: str, dtype: str) -> int:
-    """The last-place tolerance between interpreters ``first`` and ``second`` for ``dtype`` on this
-    jax (0: bit for bit)."""
-    release = jax_lookup.jax_release() or (0,)
-    pair = frozenset({first, second})
-    for row in TOLERANCES:
-        in_range = release >= row.jax_from and (row.jax_below is None or release < row.jax_below)
-        if row.interpreters == pair and row.dtype == dtype and in_range:
-            return row.ulps
-    return 0
+def _epsilon(dtype: Any) -> float:
+    import jax.numpy as jnp
+
+    finfo: Any = jnp.finfo
+    return float(finfo(dtype).eps)
 
 
 class Disagreement(NamedTuple):
@@ -120,21 +104,21 @@ class Agree(_checks.Check):
             return _checks.Prepared(settles=False)
         outputs: dict[str, Any] = {}
         tried: list[str] = []
+        failed: dict[str, BaseException] = {}
         for index, name in enumerate(names):
             # What JAX logs while tracing the body (an unused DMA descriptor) is logged once, by the
             # first interpreter's trace: the kernel is traced once as the user sees it.
             muted = jax_tracing.retrace_logs_muted() if index else contextlib.nullcontext()
             try:
-                with muted:
+                with muted, _findings.callback_failures_handled():
                     outputs[name] = run.run_now(name, args, kwargs)
             except (MemoryError, RecursionError):
                 raise
             except Exception as error:
-                finding = run.finding(error)
+                finding = self.fault(run, name, error)
                 if finding is not None:
                     raise finding from None
-                if name != "plain":
-                    jax_pallas.reset_interpreter(name)
+                failed[name] = error
                 tried.append(f"{name}: failed ({_diagnostics.first_line(error)})")
                 continue
             tried.append(f"{name}: ran")
@@ -142,13 +126,41 @@ class Agree(_checks.Check):
         if not ran:
             return None  # no interpreter ran it on these inputs: the call fails (or verifies) as without the check
         chosen = next((n for n in run.candidates.names if n in outputs), ran[0])
-        found = compare({n: leaves(outputs[n]) for n in ran}, ran, fills=_fills(run, ran, outputs[chosen]))
+        uncompared = self.not_compared(run, ran, failed)
+        found = compare_outputs({n: leaves(outputs[n]) for n in ran}, ran, fills=_fills(run, ran, outputs[chosen]))
         if found is None:
             verdict = f"{', '.join(ran)} agree" if len(ran) > 1 else f"only {ran[0]} runs it"
             run.settle(key, (chosen, (*tried, f"agree: {verdict}")))
-            return _checks.Prepared(outputs=outputs[chosen])
+            return _checks.Prepared(uncompared, outputs=outputs[chosen])
         run.settle(key, (found.right, (*tried, f"agree: {found.first} and {found.second} disagree")))
         raise self.disagreement(run, found, ran) from None
+
+    def fault(self, run: Run, name: str, error: BaseException) -> PallasGuardError | None:
+        """The finding ``error`` of interpreter ``name`` is, where the kernel is at fault (a check's
+        finding, an index out of range), else None; the interpreter is made ready to run again."""
+        finding = run.finding(error)
+        if finding is None:
+            found = _diagnostics.bounds_error(error, kernel=run.kernel.info, call_site=run.call_site)
+            if found is not None:
+                info, site = run.kernel.info, run.call_site
+                finding = _checks.found(self.name, found, kernel=info, call_site=site, interpreter=name)
+        if finding is None and name != "plain":
+            jax_pallas.reset_interpreter(name)  # it failed part way: its clean-up may not have run
+        return finding
+
+    def not_compared(self, run: Run, ran: Sequence[str], failed: Mapping[str, BaseException]) -> str | None:
+        """The note for interpreters that failed where the kernel is not at fault: nothing was
+        compared with them (and where only one ran, the check did not run)."""
+        if not failed:
+            return None
+        why = "; ".join(
+            f"{_interpreters.describe_interpreter(n)} fails on this kernel: {_diagnostics.first_line(e)}"
+            for n, e in failed.items()
+        )
+        note = f"agree: not compared: {why}"
+        if len(ran) > 1:
+            return note
+        return _checks.unchecked(self.name, why, kernel=run.kernel.info, call_site=run.call_site, note=note)
 
     def __init__(self) -> None:
         self._at_run_time: weakref.WeakSet[Run] = weakref.WeakSet()
@@ -202,64 +214,62 @@ def _pool(run: Run) -> list[str]:
 def _compare_when_run(
     check: Agree, run: Run, out: Any, chosen: str, *, others: list[str], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> None:
-    """Under an outer trace: the other interpreters traced into the computation behind a gate that
-    opens on its first run, their outputs compared with ``out`` on the host then; an interpreter
-    that cannot lower the kernel here is left out."""
+    """Under an outer trace: a host callback traced into the computation; on its first run it
+    receives the call's operands and ``out`` and hands the comparison over (``_findings.hand_over``):
+    once the computation is done, the other interpreters run on them and are compared, outside XLA,
+    where an interpreter's failure is caught (not a failure of the computation) and a finding is
+    raised to the caller."""
     import jax
     import numpy as np
-    from jax import lax
-    from jax.experimental import io_callback
 
-    call_key = run.settled_key(args, kwargs)  # the callbacks hold keys, not this trace's tracers
+    call_key = run.settled_key(args, kwargs)  # the callback holds keys, not this trace's tracers
     key = (*call_key, "agree at run time")
-    usable = []
-    for name in others:
-        try:
-            with run.ledger.verification(), jax_tracing.retrace_logs_muted():
-                jitted: Any = run.jitted(name)
-                jitted.lower(*args, **kwargs)
-        except (MemoryError, RecursionError):
-            raise
-        except Exception:
-            continue
-        usable.append(name)
-    if not usable:
-        return
-    names = [chosen, *usable]
-    fills = _fills(run, names, out)
+    fills = _fills(run, [chosen, *others], out)
+    gate = _findings.await_gate()
 
-    def first_run() -> Any:
+    def compare(chosen_out: Any, call_args: Any, call_kwargs: Any) -> None:
+        outputs = {chosen: leaves(chosen_out)}
+        failed: dict[str, BaseException] = {}
+        for name in others:
+            try:
+                with jax_tracing.retrace_logs_muted(), _findings.callback_failures_handled():
+                    outputs[name] = leaves(run.run_now(name, call_args, call_kwargs))
+            except (MemoryError, RecursionError):
+                raise
+            except Exception as error:
+                finding = check.fault(run, name, error)
+                if finding is not None:
+                    raise finding.with_traceback(None) from None
+                failed[name] = error
+        names = [n for n in (chosen, *others) if n in outputs]
+        note = check.not_compared(run, names, failed)
+        found = compare_outputs(outputs, names, fills=fills)
+        if found is None:
+            verdict = f"{', '.join(names)} agree" if len(names) > 1 else None
+            for said in (note, verdict and f"agree: {verdict}"):
+                if said:
+                    _record.annotate(run.kernel.info, run.call_site, said)
+            return
+        run.settle(call_key, (found.right, (f"agree: {found.first} and {found.second} disagree",)))
+        raise check.disagreement(run, found, names)
+
+    def on_host(operands: Any) -> None:
         # Kept where the guard keeps its choices (the ledger), which uninstall() clears: a kernel
         # compared before is compared again after a reinstall.
-        opened = run.settled(key) is None
+        if run.settled(key) is not None:
+            _findings.hand_over(gate, None)
+            return
         run.settle(key, ("agree", ()))
-        return np.bool_(opened)
+        # Copies: the callback's buffers are the computation's, reused once it returns.
+        copied = jax.tree_util.tree_map(lambda x: np.array(x) if isinstance(x, np.ndarray) else x, operands)
+        chosen_out, call_args, call_kwargs = copied
+        _findings.hand_over(gate, lambda: compare(chosen_out, call_args, call_kwargs))
 
-    def compare_on_host(chosen_out: Any, *other_outs: Any) -> None:
-        outputs = {chosen: leaves(chosen_out), **{n: leaves(o) for n, o in zip(usable, other_outs, strict=True)}}
-        found = compare(outputs, names, fills=fills)
-        if found is None:
-            _record.annotate(run.kernel.info, run.call_site, f"agree: {', '.join(names)} agree")
-        else:
-            verdict = f"agree: {found.first} and {found.second} disagree"
-            run.settle(call_key, (found.right, (verdict,)))
-            _findings.record(check.disagreement(run, found, names))
-
-    def compare_now(operands: Any) -> None:
-        chosen_out, call_args, call_kwargs = operands
-        # Called, not jitted: XLA (jax 0.12) aborts the process compiling a jitted TPU interpret
-        # mode call without operands inside a branch.
-        with jax_tracing.retrace_logs_muted():
-            other_outs = [run.variant(n)(*call_args, **call_kwargs) for n in usable]
-        jax.debug.callback(compare_on_host, chosen_out, *other_outs)
-
-    def gate(operands: Any) -> Any:
-        shape: Any = jax.ShapeDtypeStruct
-        opened = io_callback(first_run, shape((), np.bool_), ordered=False)
-        lax.cond(opened, compare_now, lambda operands: None, operands)
+    def traced_gate(operands: Any) -> Any:
+        jax.debug.callback(on_host, operands)
         return np.bool_(False)
 
-    _unless_batched(run, gate, lax.stop_gradient((out, args, kwargs)))  # compared, never differentiated
+    _unless_batched(run, traced_gate, jax.lax.stop_gradient((out, args, kwargs)))  # compared, never differentiated
 
 
 def _unless_batched(run: Run, gate: Callable[[Any], Any], operands: Any) -> None:
@@ -350,7 +360,7 @@ def _is_key(leaf: Any) -> bool:
     return hasattr(leaf, "dtype") and bool(dtypes.issubdtype(leaf.dtype, dtypes.prng_key))
 
 
-def compare(
+def compare_outputs(
     outputs: Mapping[str, Sequence[Any]], order: Sequence[str], *, fills: Mapping[str, Sequence[Any]]
 ) -> Disagreement | None:
     """The first disagreement of ``order[0]`` (the interpreter the guard runs) with another, or of
@@ -360,10 +370,10 @@ def compare(
     if len(names) < 2:
         return None
     written = _written(outputs, names, fills)
-    agrees = {(a, b): _first_difference(a, b, outputs[a], outputs[b], written) is None for a in names for b in names}
+    agrees = {(a, b): _first_difference(outputs[a], outputs[b], written) is None for a in names for b in names}
     for second in names[1:]:
         for first in names[: names.index(second)]:
-            found = _first_difference(first, second, outputs[first], outputs[second], written)
+            found = _first_difference(outputs[first], outputs[second], written)
             if found is None:
                 continue
             votes = {n: sum(agrees[n, m] for m in names) for n in names}
@@ -397,7 +407,7 @@ def _written(
 
 
 def _first_difference(
-    first: str, second: str, a_values: Sequence[Any], b_values: Sequence[Any], written: Sequence[Any | None]
+    a_values: Sequence[Any], b_values: Sequence[Any], written: Sequence[Any | None]
 ) -> tuple[int, tuple[int, ...], Any, Any] | None:
     import numpy as np
 
@@ -406,10 +416,10 @@ def _first_difference(
             return position, (), f"{a.dtype}{list(a.shape)}", f"{b.dtype}{list(b.shape)}"
         if a.tobytes() == b.tobytes():
             continue
-        differs = _bits(a) != _bits(b)
-        if np.issubdtype(a.dtype, np.inexact) or str(a.dtype) == "bfloat16":
-            differs &= ~_close(a, b, tolerance(first, second, str(a.dtype)))
         mask = written[position] if position < len(written) else None
+        differs = _bits(a) != _bits(b)
+        if _is_float(a.dtype):
+            differs &= ~_close(a, b, mask)
         if mask is not None:
             differs &= mask
         where = np.argwhere(differs)
@@ -419,35 +429,26 @@ def _first_difference(
     return None
 
 
-def _close(a: Any, b: Any, ulps: int) -> Any:
-    """Elementwise: both NaN (whatever the payloads), or within ``ulps`` units in the last place."""
+def _is_float(dtype: Any) -> bool:
     import numpy as np
 
-    real_a, real_b = (a.real, b.real) if np.iscomplexobj(a) else (a, b)
-    both_nan = np.isnan(real_a.astype(np.float64)) & np.isnan(real_b.astype(np.float64))
+    return bool(np.issubdtype(dtype, np.inexact)) or dtype.kind == "V" or "float" in str(dtype)
+
+
+def _close(a: Any, b: Any, written: Any | None) -> Any:
+    """Elementwise: both NaN (whatever the payloads), equal infinities, or finite and within
+    ``float_bound`` of the output's largest finite magnitude among the elements written."""
+    import numpy as np
+
     if np.iscomplexobj(a):
-        both_nan &= np.isnan(a.imag) & np.isnan(b.imag)
-        return both_nan | (_close(a.real, b.real, ulps) & _close(a.imag, b.imag, ulps))
-    return both_nan | (_ulp_distance(a, b) <= ulps)
-
-
-def _ulp_distance(a: Any, b: Any) -> Any:
-    """How many representable values apart ``a`` and ``b`` are (same dtype; ±0 are 0 apart)."""
-    import numpy as np
-
-    width = a.dtype.itemsize * 8
-    signed = np.dtype(f"i{a.dtype.itemsize}")
-    # Floats as integers ordered like the floats: negative ones mirrored below zero.
-    ordered_a = _ordered(np.ascontiguousarray(a).view(signed), width)
-    ordered_b = _ordered(np.ascontiguousarray(b).view(signed), width)
-    return np.abs(ordered_a.astype(np.int64) - ordered_b.astype(np.int64))
-
-
-def _ordered(bits: Any, width: int) -> Any:
-    import numpy as np
-
-    bits = bits.astype(np.int64)
-    return np.where(bits < 0, -(bits & ((1 << (width - 1)) - 1)), bits)
+        return _close(a.real, b.real, written) & _close(a.imag, b.imag, written)
+    wide_a, wide_b = a.astype(np.float64), b.astype(np.float64)
+    both_nan = np.isnan(wide_a) & np.isnan(wide_b)
+    finite = np.isfinite(wide_a) & np.isfinite(wide_b)
+    counted = finite if written is None else finite & written
+    scale = max(float(np.abs(wide_a[counted]).max(initial=0.0)), float(np.abs(wide_b[counted]).max(initial=0.0)))
+    near = finite & (np.abs(wide_a - wide_b) <= float_bound(a.dtype, scale))
+    return both_nan | near | (wide_a == wide_b)
 
 
 def _scalar(value: Any) -> Any:

@@ -32,6 +32,7 @@ from pallas_guard._checks.checked_plain import (
     Index,
     PlainLowering,
     Range,
+    TableEntry,
     as_index,
     compose,
     fields_of_one_vector,
@@ -83,17 +84,6 @@ def _checking_in(state: _Checking) -> Iterator[None]:
 
 
 # --- hooks: JAX's discharge rules and the interpreter's block copies, checking only when asked ---
-
-
-class TableEntry:
-    """One entry of a JAX table replaced by a checking wrapper, and the exact object to put back."""
-
-    def __init__(self, table: Any, key: Any, original: Any, wrapper: Any) -> None:
-        self.table, self.key, self.original, self.wrapper = table, key, original, wrapper
-
-    def restore(self) -> None:
-        if self.table.get(self.key) is self.wrapper:  # leave what someone registered over it
-            self.table[self.key] = self.original
 
 
 _hooking = threading.Lock()

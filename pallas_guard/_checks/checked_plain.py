@@ -138,6 +138,18 @@ def lower(
     return lower_fun(checked, multiple_results=True)(ctx, *in_nodes)
 
 
+class TableEntry:
+    """One entry of a JAX table (a discharge rule) replaced by a check's wrapper, and the exact
+    object to put back."""
+
+    def __init__(self, table: Any, key: Any, original: Any, wrapper: Any) -> None:
+        self.table, self.key, self.original, self.wrapper = table, key, original, wrapper
+
+    def restore(self) -> None:
+        if self.table.get(self.key) is self.wrapper:  # leave what someone registered over it
+            self.table[self.key] = self.original
+
+
 def unchecked_reason(entry_point: str, params: dict[str, Any]) -> str | None:
     """Why a kernel the plain interpreter runs cannot get the bounds check, or None."""
     if entry_point != "pallas_call":

@@ -73,11 +73,15 @@ class Compile(_checks.Check):
             source += f"; it compiles for {_and(list(compiled))}"
         if len(refused) > 1:
             source += f"; {_and(list(refused)[1:])} {'refuses' if len(refused) == 2 else 'refuse'} it too"
+        capacity = (
+            _tpu_compile.GENERATIONS[generation].vmem_capacity if generation in _tpu_compile.GENERATIONS else None
+        )
         error = _diagnostics.lowering_refused(
             kernel=run.kernel.info,
             call_site=run.call_site,
             target=f"{generation} ({source})",
             error=refusal,
+            fix=_diagnostics.refusal_fix(refusal, target=generation, vmem_capacity=capacity),
             source=_settings.stated("checks"),
             check=self.name,
         )

@@ -1,5 +1,7 @@
 """The ``races`` check: DMAs in flight while their buffers are read or written.
 
+An output block that more than one iteration of a grid axis declared parallel writes is a race on a
+chip whose TensorCores split that axis: decided from the output index maps, before the kernel runs.
 A kernel on one core stays in the plain interpreter, where the check is made inside the plain
 interpretation (``dma_races``, lowered by ``checked_plain``). A kernel in TPU interpret mode (chosen
 for it, or forced) or in the Mosaic-GPU interpreter runs with that interpreter's detector on
@@ -9,18 +11,26 @@ for it, or forced) or in the Mosaic-GPU interpreter runs with that interpreter's
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import functools
+import math
+import threading
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from pallas_guard._checks import dma_races as _dma_races
 from pallas_guard._checks import protocol as _checks
-from pallas_guard._checks.checked_plain import Active, PlainLowering
+from pallas_guard._checks.checked_plain import Active, PlainLowering, TableEntry, check_vector, site_text
 from pallas_guard._checks.dma_jaxpr import has_dmas
 from pallas_guard._checks.dma_table import Instrumented, Unsupported
 from pallas_guard._deciding import diagnostics as _diagnostics
 from pallas_guard._jax import pallas as jax_pallas
+from pallas_guard._jax import state as jax_state
 from pallas_guard._running import findings as _findings
 from pallas_guard._vocabulary import record as _record
+from pallas_guard._vocabulary import settings as _settings
 from pallas_guard._vocabulary.errors import PallasGuardError
+from pallas_guard_autoload import DEVICES
 
 if TYPE_CHECKING:
     from pallas_guard._guard.engine import Run
@@ -34,8 +44,16 @@ class Races(_checks.Check):
     def arm_plain(self, lowering: PlainLowering) -> Active | None:
         """The kernel traced again with its DMA table; None where its DMAs cannot race (decided
         while tracing) or cannot be followed (its decision says why)."""
+        split = split_between_cores(lowering.given)
+        if split is not None:
+            source = _settings.stated("checks")
+            error = _diagnostics.core_split_race(
+                split, kernel=lowering.kernel, call_site=lowering.call_site, source=source
+            )
+            raise _checks.found(self.name, error, kernel=lowering.kernel, call_site=lowering.call_site)
+        waits = _waits_on_semaphores(lowering)
         if not has_dmas(lowering.params["jaxpr"]):
-            return None
+            return waits
         races = Instrumented()
         try:
             lowering.params = _dma_races.instrument(lowering.params, races)
@@ -47,13 +65,19 @@ class Races(_checks.Check):
             )
             return None
         if not races.points:  # race-free whichever way it runs, decided while tracing
-            return None
+            return waits
         lowering.state[self.name] = races
-        return contextlib.nullcontext
+        return waits or contextlib.nullcontext
 
     def plain_finding(
         self, message: str, lowering: PlainLowering, source: str, call_site: _diagnostics.CallSite
     ) -> PallasGuardError | None:
+        if message.startswith(_WAIT):
+            held, wanted = (int(n) for n in message[len(_WAIT) :].split(maxsplit=2)[:2])
+            site = message[len(_WAIT) :].split(maxsplit=2)[2]
+            return _diagnostics.semaphore_hang(
+                site, held=held, wanted=wanted, kernel=lowering.kernel, call_site=call_site, source=source
+            )
         races = lowering.state.get(self.name)
         if races is None or not _dma_races.is_race(message):
             return None
@@ -65,6 +89,114 @@ class Races(_checks.Check):
         # detector could not take (plain, forced or chosen) has none.
         if run.candidates.detect_races and interpreter in ("tpu", "gpu"):
             check(out, kernel=run.kernel.info, call_site=run.call_site, interpreter=interpreter)
+
+
+# --- a semaphore wait no signal satisfies --------------------------------------------------------------
+
+_WAIT = "pallas_guard semaphore wait "
+_judging_waits: contextvars.ContextVar[bool] = contextvars.ContextVar("pallas_guard_waits", default=False)
+
+
+def _waits_on_semaphores(lowering: PlainLowering) -> Active | None:
+    """Where the kernel waits on a semaphore: its waits judged while it is discharged (a wait for
+    more than the semaphore holds: one core has nothing else that could signal it)."""
+    found = jax_pallas.semaphore_wait()
+    if found is None or not any(
+        eqn.primitive is found[0] for eqn in jax_state.jaxpr_equations(lowering.given["jaxpr"])
+    ):
+        return None
+    with _hooking:
+        for registry in jax_state.discharge_registries():
+            rule = registry.rules.get(found[0])
+            if rule is not None and registry.leading in (1, 2) and not getattr(rule, "pallas_guard_checking", False):
+                wrapper = _judging_wait(rule, found[1], registry.leading)
+                registry.rules[found[0]] = wrapper
+                lowering.hooks.append(TableEntry(registry.rules, found[0], rule, wrapper))
+    return _judging
+
+
+@contextlib.contextmanager
+def _judging() -> Iterator[None]:
+    token = _judging_waits.set(True)
+    try:
+        yield
+    finally:
+        _judging_waits.reset(token)
+
+
+_hooking = threading.Lock()
+
+
+def _judging_wait(rule: Callable[..., Any], read: Callable[..., Any], leading: int) -> Callable[..., Any]:
+    def pallas_guard_checked_wait(*args: Any, **params: Any) -> Any:
+        if _judging_waits.get():
+            from jax import lax
+
+            # (a discharge context, operands...) from jax 0.11; (in_avals, out_avals, operands...) before.
+            in_avals = args[0].in_avals if leading == 1 else args[0]
+            ref, transforms, value, _ = params["args_tree"].unflatten(args[leading:])
+            held = lax.convert_element_type(read(ref, transforms, in_avals[0]), "int32")
+            wanted = lax.convert_element_type(value, "int32")
+            site = site_text().replace("{", "{{").replace("}", "}}")
+            # On one core nothing but the kernel signals a semaphore: what it holds now is all it gets.
+            both = lax.concatenate([lax.reshape(held, (1,)), lax.reshape(wanted, (1,))], 0)
+            check_vector(lax.ge(held, wanted), _WAIT + "{} {} " + site, both)
+        return rule(*args, **params)
+
+    pallas_guard_checked_wait.pallas_guard_checking = True  # type: ignore[attr-defined]
+    return pallas_guard_checked_wait
+
+
+# --- an output block written across a parallel grid axis ----------------------------------------------
+
+_GRID_POINTS = 1 << 20
+"""Index maps are evaluated at every grid point up to this many (a larger grid is not judged)."""
+
+
+def split_between_cores(params: Mapping[str, Any]) -> _diagnostics.CoreSplit | None:
+    """The first output block that iterations with different values of a grid axis declared
+    ``"parallel"`` or ``"core_parallel"`` both visit, or None: on a chip with two TensorCores each
+    core takes a share of such an axis and writes its own copy of the block back."""
+    import jax
+    import numpy as np
+
+    semantics = jax_pallas.dimension_semantics(params)
+    grid = jax_pallas.equation_grid(params)
+    maps = jax_pallas.output_index_maps(params)
+    if not semantics or grid is None or maps is None or not all(isinstance(n, int) for n in grid):
+        return None
+    split = [a for a, word in enumerate(semantics) if a < len(grid) and "parallel" in word and grid[a] > 1]
+    if not split or math.prod(grid) > _GRID_POINTS:
+        return None
+    points = np.indices(grid, dtype=np.int32).reshape(len(grid), -1)
+    for output, closed in enumerate(maps):
+        try:
+            evaluate = jax.vmap(functools.partial(jax.core.eval_jaxpr, closed.jaxpr, closed.consts))
+            blocks = np.stack([np.asarray(b).reshape(-1) for b in evaluate(*points)], axis=1)
+        except Exception:
+            continue
+        _, block_of = np.unique(blocks, axis=0, return_inverse=True)
+        block_of = block_of.reshape(-1)
+        for axis in split:
+            # Per block, the distinct values of the axis that visit it: more than one is a revisit
+            # across the axis.
+            pairs = np.unique(np.stack([block_of, points[axis]], axis=1), axis=0)
+            blocks_seen, counts = np.unique(pairs[:, 0], return_counts=True)
+            shared = blocks_seen[counts > 1]
+            if len(shared):
+                first = int(np.argmax(block_of == shared[0]))
+                values = sorted({int(v) for v in points[axis][block_of == shared[0]]})
+                return _diagnostics.CoreSplit(
+                    output=output,
+                    block=tuple(int(i) for i in blocks[first]),
+                    axis=axis,
+                    semantics=semantics[axis],
+                    values=tuple(values),
+                    chips=tuple(
+                        name for name, (_, cores, platform) in DEVICES.items() if platform == "tpu" and cores > 1
+                    ),
+                )
+    return None
 
 
 def check(out: Any, *, kernel: _diagnostics.KernelInfo, call_site: _diagnostics.CallSite, interpreter: str) -> None:

@@ -440,6 +440,47 @@ def race_finding(text: str, *, what: str, kernel: KernelInfo, call_site: CallSit
     )
 
 
+def semaphore_hang(
+    site: str, *, held: int, wanted: int, kernel: KernelInfo, call_site: CallSite, source: str
+) -> PallasGuardError:
+    """A semaphore wait for more than the semaphore holds, on one core: no signal can come."""
+    return PallasGuardError(
+        f"{RACE_FINDING}a semaphore wait no signal satisfies) in {_describe(kernel, call_site)}, found by the "
+        f"races check ({source}): the wait {site} needs {wanted} and the semaphore holds {held}, and on one "
+        f"core nothing else signals it: on a TPU the core waits forever (the interpreter returns at once).\n"
+        "To fix: signal the semaphore as often as the kernel waits on it (`pl.semaphore_signal` before "
+        "`pl.semaphore_wait`, with the same counts), or wait for what was signalled."
+    )
+
+
+class CoreSplit(NamedTuple):
+    """An output block visited by iterations of a grid axis that two TensorCores split."""
+
+    output: int
+    block: tuple[int, ...]
+    axis: int
+    semantics: str
+    values: tuple[int, ...]
+    """The values of the axis whose iterations visit the block."""
+    chips: tuple[str, ...]
+    """The TPU generations with two TensorCores per chip (the guard's device names)."""
+
+
+def core_split_race(split: CoreSplit, *, kernel: KernelInfo, call_site: CallSite, source: str) -> PallasGuardError:
+    """An output block written by more than one iteration of a grid axis declared parallel."""
+    shown = ", ".join(map(str, split.values[:6])) + (", ..." if len(split.values) > 6 else "")
+    return PallasGuardError(
+        f"{RACE_FINDING}an output block written across a parallel grid axis) in {_describe(kernel, call_site)}, "
+        f"found by the races check ({source}): output {split.output}'s block "
+        f"({', '.join(map(str, split.block))}) is visited by the iterations with grid axis {split.axis} = {shown}, "
+        f'an axis declared "{split.semantics}". A chip with two TensorCores ({", ".join(split.chips)}) splits that '
+        f"axis between its cores, each core keeps its own copy of the block and writes it back, and one overwrites "
+        f"the other; one core, and the interpreters, run the iterations in order and hide it.\n"
+        f'To fix: declare grid axis {split.axis} "arbitrary" in dimension_semantics (its iterations then run in '
+        f"order on one core), or give each of its iterations a block of its own in the output's index map."
+    )
+
+
 def disagreement(found: Any, *, kernel: KernelInfo, call_site: CallSite, compared: Iterable[str]) -> PallasGuardError:
     """Two interpreters ran the same kernel on the same inputs and returned different values where
     the kernel wrote (``found``: an ``_agree.Disagreement``)."""
@@ -472,8 +513,9 @@ def lowering_refused(
 ) -> PallasGuardError:
     """The kernel's real target refused it (``target``: the platform, the device and where it came
     from), in JAX's lowering or the target's compiler (``check``); the interpreted result is not
-    returned. JAX's text is said once, here (the error is raised without its cause)."""
-    said = _refusal_text(error, _REFUSAL_LINES if check == "lowering" else _COMPILER_LINES)
+    returned. JAX's text is said once, here (the error is raised without its cause), cut to what
+    names the cause: at most ``_REFUSAL_LINES`` lines, with a "To fix" where one can be computed."""
+    said = _refusal_text(error)
     fix = fix or refusal_fix(error)
     return PallasGuardError(
         f"pallas_guard: {_describe(kernel, call_site)} runs interpreted on the CPU, but its target refuses "
@@ -484,40 +526,170 @@ def lowering_refused(
 
 
 _REFUSAL_LINES = 8
-"""Lines of JAX's refusal kept: its first lines say what and where; the rest is MLIR context."""
-_COMPILER_LINES = 60
-"""Lines of the TPU compiler's refusal kept: all of it, as the TPU raises it, up to a runaway
-dump (a VMEM overflow lists each allocation, with the operand it is for, in about 25 lines)."""
+"""Lines of a refusal kept: its first lines say what and where; the rest is MLIR context, or the
+compiler's listing of allocations, summed up in one line (the largest three)."""
+_NOT_THE_KERNELS_FAULT = re.compile(r"^\s*Please report a bug at\b.*$", re.M)
+_PROTOCOL_BUFFER = re.compile(r"\[type\.googleapis\.com/[^\]]*\]?\]?", re.S)
+_RUN_ON = re.compile(r"(exceeded scoped vmem limit by [\d.]+[KMG]?)\. It should not be\b.*$", re.M)
+_ALLOCATION = re.compile(
+    r"^\s*\d+\. Size: ([\d.]+[KMG]?)\s*$.*?^\s*Tag: (?:(input|output) window allocation for operator "
+    r"(?:input|output) (\d+)\. The window shape is (\S+?)(?:, while|\.)|([^\n]*))",
+    re.M | re.S,
+)
 
 
-def _refusal_text(error: BaseException, keep: int) -> str:
-    lines = [line.rstrip() for line in f"{type(error).__name__}: {error}".splitlines() if line.strip()]
-    if len(lines) > keep:
-        lines = [*lines[:keep], f"... ({len(lines) - keep} more lines)"]
+def _refusal_text(error: BaseException) -> str:
+    """The refusal's text without what is not about the kernel: the "report a bug" line (the kernel
+    is at fault, not JAX), raw protocol buffers, a sentence cut off mid-way; a compiler's listing
+    of allocations as its largest three, by operand and window."""
+    text = f"{type(error).__name__}: {error}"
+    text = _PROTOCOL_BUFFER.sub("", _NOT_THE_KERNELS_FAULT.sub("", text))
+    text = _RUN_ON.sub(r"\1.", text)
+    allocations = [
+        f"{size} for {f'{kind} {index} (window {window})' if kind else other.strip() or 'an allocation'}"
+        for size, kind, index, window, other in _ALLOCATION.findall(text)[:3]
+    ]
+    if allocations:
+        listing = text.find("Largest program allocations")
+        text = text[:listing].rstrip() + "\nLargest allocations: " + "; ".join(allocations) + "."
+    lines = [line.rstrip() for line in text.splitlines() if line.strip() and set(line.strip()) != {"="}]
+    if len(lines) > _REFUSAL_LINES:
+        lines = [*lines[:_REFUSAL_LINES], f"... ({len(lines) - _REFUSAL_LINES} more lines)"]
     return "\n  ".join(lines)
 
 
 _BLOCK_AND_ARRAY = re.compile(r"block shape \((.*?)\),? (?:while the overall )?array shape (?:is )?\(([\d, ]+)\)", re.S)
+_SCOPED_VMEM = re.compile(r"size ([\d.]+[KMG]?) and limit ([\d.]+[KMG]?) exceeded scoped vmem limit")
+_WHOLE_VMEM = re.compile(
+    r"Used ([\d.]+[KMG]?) of [\d.]+[KMG]? vmem"
+    r"|Allocation \(size=(\d+)\) would exceed memory \(size=\d+\)[^\n]*space=vmem"
+)
+_WHOLE_SMEM = re.compile(r"Allocation \(size=(\d+)\) would exceed memory \(size=(\d+)\)[^\n]*space=smem")
+_TILING = re.compile(r"has tiling \((\d+, \d+)\), but its block shape")
+_CAST = re.compile(r"Only (.+?) (?:is|are) supported, but got '(\w+)'")
+_UNPROVEN = re.compile(r"cannot statically prove that index .*? is a multiple of (\d+)")
+_SHRINK = (
+    "shrink the blocks (each input and output block is double-buffered: halving a block's first dimension halves "
+    "its share; `pipeline_mode=pl.Buffered(1)` on a BlockSpec whose block index never changes single-buffers it)"
+)
 
 
-def refusal_fix(error: BaseException) -> str | None:
-    """A "To fix" line for the refusals whose fix can be computed: a TPU block shape not divisible
-    by (8, 128) gets the nearest legal one."""
-    text = str(error)
-    match = _BLOCK_AND_ARRAY.search(text)
-    if "divisible by 8 and 128" in text and match is not None:
-        block = [int(x) for x in re.findall(r"\d+", match.group(1))]
-        array = [int(x) for x in re.findall(r"\d+", match.group(2))]
-        if len(block) >= 2 and len(block) == len(array):
-            legal = list(block)
-            for axis, unit in ((-2, 8), (-1, 128)):
-                if block[axis] != array[axis]:
-                    legal[axis] = min(array[axis], max(unit, round(block[axis] / unit) * unit))
-            return (
-                f"a block shape of ({', '.join(map(str, legal))}) (the last two dimensions multiples of 8 and 128, "
-                "or equal to the array's)"
-            )
+class _Refused(NamedTuple):
+    text: str
+    chip: str
+    vmem_capacity: int | None
+
+
+def _legal_block(refused: _Refused) -> str | None:
+    match = _BLOCK_AND_ARRAY.search(refused.text)
+    if "divisible by 8 and 128" not in refused.text or match is None:
+        return None
+    block = [int(x) for x in re.findall(r"\d+", match.group(1))]
+    array = [int(x) for x in re.findall(r"\d+", match.group(2))]
+    if len(block) < 2 or len(block) != len(array):
+        return None
+    legal = list(block)
+    for axis, unit in ((-2, 8), (-1, 128)):
+        if block[axis] != array[axis]:
+            legal[axis] = min(array[axis], max(unit, round(block[axis] / unit) * unit))
+    shape = ", ".join(map(str, legal))
+    return f"a block shape of ({shape}) (the last two dimensions multiples of 8 and 128, or equal to the array's)"
+
+
+def _tiled_block(refused: _Refused) -> str | None:
+    tiling = _TILING.search(refused.text)
+    if tiling is None:
+        return None
+    return (
+        f"a block shape whose last two dimensions are multiples of ({tiling.group(1)}), the tiling {refused.chip} "
+        "uses for this dtype, or equal to the array's"
+    )
+
+
+def _scoped_vmem(refused: _Refused) -> str | None:
+    scoped = _SCOPED_VMEM.search(refused.text)
+    if scoped is None:
+        return None
+    most = f" up to {_mib(refused.vmem_capacity)}, {refused.chip}'s whole VMEM" if refused.vmem_capacity else ""
+    return (
+        f"the kernel needs {scoped.group(1)}iB of VMEM and {refused.chip} gives a kernel {scoped.group(2)}iB unless it "
+        f"asks for more: pass `vmem_limit_bytes` (in its TPU compiler_params){most}, or {_SHRINK}"
+    )
+
+
+def _whole_vmem(refused: _Refused) -> str | None:
+    whole = _WHOLE_VMEM.search(refused.text)
+    if whole is None:
+        return None
+    used = whole.group(1) + "iB" if whole.group(1) else _mib(int(whole.group(2)))
+    return f"the kernel needs {used} of VMEM, more than {refused.chip}'s whole VMEM: {_SHRINK}"
+
+
+def _whole_smem(refused: _Refused) -> str | None:
+    smem = _WHOLE_SMEM.search(refused.text)
+    if smem is None:
+        return None
+    return (
+        f"the kernel needs {_mib(int(smem.group(1)))} of SMEM, more than {refused.chip}'s {_mib(int(smem.group(2)))}: "
+        "keep large tables in VMEM or in HBM (`memory_space=pl.ANY`) and copy in the part a grid step needs"
+    )
+
+
+def _cast(refused: _Refused) -> str | None:
+    cast = _CAST.search(refused.text)
+    if cast is not None:
+        return (
+            f"{refused.chip}'s compiler has {cast.group(1)} here, not {cast.group(2)}: cast the values to one of them "
+            "in the kernel before the operation the message names (`x.astype(jnp.int32)`), and back after it"
+        )
+    if "Invalid vector type for load" in refused.text and "xf16>" in refused.text:
+        return (
+            f"{refused.chip} has no float16 vectors: keep the operands in bfloat16 or float32 (cast them outside "
+            "the kernel), and compute in float32"
+        )
+    if "Bad lhs/rhs type" in refused.text:
+        return (
+            f"{refused.chip}'s matrix unit multiplies float32, bfloat16 and int8 operands (int8 accumulating in "
+            "int32): cast the operands of this dot to one of them"
+        )
     return None
+
+
+def _aligned(refused: _Refused) -> str | None:
+    unproven = _UNPROVEN.search(refused.text)
+    if unproven is None:
+        return None
+    return (
+        "say what the compiler cannot prove where the kernel computes the index: "
+        f"`pl.multiple_of(index, {unproven.group(1)})` (or slice whole tiles of 8 x 128)"
+    )
+
+
+def _one_core(refused: _Refused) -> str | None:
+    if "Core-parallel dimension" not in refused.text or "active cores" not in refused.text:
+        return None
+    return (
+        f'{refused.chip} has one TensorCore: declare the axis "parallel" (split between cores where a chip has two) '
+        'instead of "core_parallel"'
+    )
+
+
+_FIXES = (_legal_block, _tiled_block, _scoped_vmem, _whole_vmem, _whole_smem, _cast, _aligned, _one_core)
+"""Each refusal whose fix can be named, and how: the first that recognises the text says it."""
+
+
+def refusal_fix(error: BaseException, *, target: str | None = None, vmem_capacity: int | None = None) -> str | None:
+    """A "To fix" line for the refusals whose fix can be named (``_FIXES``): a TPU block shape not
+    divisible by its tiling, scoped or whole VMEM or SMEM exhausted (the limit to raise, up to
+    ``vmem_capacity``, the physical VMEM of ``target``'s TensorCore, or the blocks to shrink), a
+    type the generation cannot load or compute in, an index the compiler cannot prove aligned, a
+    core-parallel axis on a one-core chip."""
+    refused = _Refused(str(error), target or "this TPU", vmem_capacity)
+    return next((fix for fix in (rule(refused) for rule in _FIXES) if fix), None)
+
+
+def _mib(count: int | None) -> str:
+    return f"{(count or 0) / (1 << 20):.2f}MiB"
 
 
 def not_armed(failure: str) -> str:

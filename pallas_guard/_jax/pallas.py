@@ -82,6 +82,45 @@ def equation_grid(params: Mapping[str, Any]) -> tuple[Any, ...] | None:
     return tuple(grid) if grid is not None else None
 
 
+def semaphore_wait() -> tuple[Any, Callable[..., Any]] | None:
+    """(JAX's ``semaphore_wait`` primitive, its reader of a semaphore's value in a discharge rule:
+    ``read(ref, transforms, aval)``), or None where this jax lacks either."""
+    module = "jax._src.pallas.primitives"
+    primitive = first_attribute([(module, "semaphore_wait_p")])
+    read = first_attribute([(module, "_transform_semaphore")])
+    if primitive is None or read is None:
+        note_missing("semaphore_wait_p/_transform_semaphore", "the races check does not judge semaphore waits")
+        return None
+    return primitive, read
+
+
+def dimension_semantics(params: Mapping[str, Any]) -> tuple[str, ...] | None:
+    """The TPU ``dimension_semantics`` of a kernel equation, as lower-case words (``"parallel"``,
+    ``"arbitrary"``, ``"core_parallel"``: strings or enum members by version); None where unset."""
+    compiler_params = params.get("compiler_params")
+    found = compiler_params.values() if isinstance(compiler_params, Mapping) else (compiler_params,)
+    for value in found:
+        semantics = value.get("dimension_semantics") if isinstance(value, Mapping) else None
+        semantics = semantics or getattr(value, "dimension_semantics", None)
+        if semantics:
+            return tuple(str(getattr(s, "name", s)).lower().rpartition(".")[2] for s in semantics)
+    return None
+
+
+def output_index_maps(params: Mapping[str, Any]) -> list[Any] | None:
+    """The closed index-map jaxprs of a ``pallas_call_p`` equation's outputs (grid indices in, a
+    block index out); None where the equation has no grid mapping or its maps read operands (scalar
+    prefetch: the block depends on the data)."""
+    mapping = params.get("grid_mapping")
+    mappings = getattr(mapping, "block_mappings", None)
+    if mappings is None or getattr(mapping, "num_index_operands", None):
+        return None
+    first = int(getattr(mapping, "num_inputs", 0))
+    outputs = list(mappings)[first : first + int(getattr(mapping, "num_outputs", 0))]
+    maps = [getattr(block, "index_map_jaxpr", None) for block in outputs]
+    return None if any(m is None for m in maps) else maps
+
+
 # The modules that define each backend's CompilerParams, meshes, grid specs and scratch types; they
 # have not moved in any supported version, while the class names were renamed (0.6.x).
 BACKEND_MODULES = {

@@ -101,6 +101,47 @@ def recorded_in(error: BaseException, call_site: CallSite | None = None) -> Pall
     return found.at(call_site) if isinstance(found, AtTheCall) else found
 
 
+# --- work a check does after a computation ran -------------------------------------------------------
+# A check that needs JAX to judge what a computation computed (agree runs other interpreters on the
+# call's operands) cannot run it inside the computation's host callback: a computation dispatched
+# from an XLA thread that is waiting for the callback can deadlock. The callback hands the work over
+# here; the wrapper around JAX's executable call does it once the computation is done, outside XLA.
+
+_awaited: set[int] = set()
+"""Gates traced into computations whose first run has not come yet: while one is, a computation
+dispatched from Python is waited for, so its gate's work is done before the call returns."""
+_handed_over: list[Callable[[], None]] = []
+
+
+def await_gate() -> int:
+    """A number for a gate traced into a computation now; ``hand_over`` takes it when it runs."""
+    number = next(_numbers)
+    with _lock:
+        _awaited.add(number)
+    return number
+
+
+def hand_over(gate: int, work: Callable[[], None] | None) -> None:
+    """From the gate's host callback: ``work`` (which may raise the finding) is done after the
+    computation returns, in the call's own thread; None: the gate has nothing to do."""
+    with _lock:
+        _awaited.discard(gate)
+        if work is not None:
+            _handed_over.append(work)
+
+
+def _after_the_run(out: Any) -> None:
+    import jax
+
+    ready: Any = jax.block_until_ready
+    ready(out)
+    with _lock:
+        works = list(_handed_over)
+        _handed_over.clear()
+    for work in works:
+        work()
+
+
 def hook(hooks: list[Any], *, checking_at_run_time: Callable[[], bool]) -> None:
     """Wrap JAX's executable call once and quiet JAX's log of a recorded finding; the entries added
     to ``hooks`` put both back. While ``checking_at_run_time()`` (a check in force finds while a
@@ -114,6 +155,22 @@ def hook(hooks: list[Any], *, checking_at_run_time: Callable[[], bool]) -> None:
 
 
 _CALLBACK_LOGGER = "jax._src.callback"
+_handled_by_a_check = [0]
+"""How many checks are running an interpreter beside the chosen one: a failure of its host
+callbacks is theirs to report (a finding or a note), and JAX's log of it would be noise."""
+
+
+@contextlib.contextmanager
+def callback_failures_handled() -> Iterator[None]:
+    """Inside: a check runs an interpreter whose failure it reports itself; JAX's log of a host
+    callback failing is dropped meanwhile (the guard's own filter, installed with the guard)."""
+    with _lock:
+        _handled_by_a_check[0] += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _handled_by_a_check[0] -= 1
 
 
 class _QuietFindings(logging.Filter):
@@ -126,7 +183,7 @@ class _QuietFindings(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         raised = record.exc_info[1] if record.exc_info else None
-        return not isinstance(raised, RecordedFinding)
+        return not isinstance(raised, RecordedFinding) and not _handled_by_a_check[0]
 
     def restore(self) -> None:
         logging.getLogger(_CALLBACK_LOGGER).removeFilter(self)
@@ -139,13 +196,16 @@ def _is_ours(function: Any) -> bool:
 def _raising_findings(call: Callable[..., Any]) -> Callable[..., Any]:
     def pallas_guard_execute(self: Any, *args: Any, **kwargs: Any) -> Any:
         try:
-            return call(self, *args, **kwargs)
+            out = call(self, *args, **kwargs)
         except Exception as error:
             found = recorded_in(error, _eager_call.get())
             if found is None:
                 raise
             # JAX's error says nothing the finding does not (its text is the callback's traceback).
             raise found.with_traceback(None) from None
+        if _awaited or _handed_over:
+            _after_the_run(out)
+        return out
 
     pallas_guard_execute.pallas_guard_findings = True  # type: ignore[attr-defined]
     return pallas_guard_execute

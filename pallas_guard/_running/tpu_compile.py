@@ -296,7 +296,16 @@ def compile_kernel(
             why = "called under a mesh of this host's devices (jax.set_mesh), where the check cannot place it on a TPU"
             return Outcome(generation, None, smem_limit=smem_limit, seconds=seconds, unchecked=why)
         return Outcome(generation, "lower", error, message, smem_limit=smem_limit, seconds=seconds)
+    return _compiled(lowered, generation, start=start, smem_limit=smem_limit)
+
+
+def _compiled(lowered: Any, generation: str, *, start: float, smem_limit: int | None) -> Outcome:
+    """The compiler's verdict on ``lowered``: kept on disk where it compiled, in the process where
+    it was refused, else compiled now."""
     cache = _verdict_file(lowered, generation)
+    refused = _refused.get(cache) if cache is not None else None
+    if refused is not None:  # refused in this process: the same input to the same compiler
+        return refused._replace(seconds=time.perf_counter() - start)
     known = _read_verdict(cache)
     if known is not None:
         usage = known
@@ -307,7 +316,10 @@ def compile_kernel(
             raise
         except Exception as error:
             seconds = time.perf_counter() - start
-            return Outcome(generation, "compile", error, first_line(error), smem_limit=smem_limit, seconds=seconds)
+            outcome = Outcome(generation, "compile", error, first_line(error), smem_limit=smem_limit, seconds=seconds)
+            if cache is not None:
+                _refused[cache] = outcome
+            return outcome
         usage = memory(compiled.as_text() or "", generation)
         _write_verdict(cache, usage)
     return Outcome(
@@ -327,8 +339,11 @@ def compile_kernel(
 # libtpu's compile of even a tiny kernel costs 25-50 ms of CPU, more than an interpreted first call
 # of it; CI runs the same kernels run after run. A kernel that compiled is kept on disk by what was
 # compiled (the lowered module, the Mosaic kernel serialised in it), for which generation, with
-# which jax and libtpu: the same input to the same compiler. A refusal is never kept: it is compiled
-# again, so its error is the compiler's own, raised now.
+# which jax and libtpu: the same input to the same compiler. A refusal is kept for the process only
+# (``_refused``: a kernel refused at its first call is not compiled again at every later one); on
+# disk it is not, so a new run's error is the compiler's own, raised by it.
+
+_refused: dict[str, Outcome] = {}
 
 
 def verdicts_dir() -> str:
