@@ -370,8 +370,9 @@ OPTIONS = {
             _checks,
             "'races', 'bounds', 'agree', 'lowering', 'compile' (comma-separated), 'all' or 'none'",
             frozenset(),
-            "check interpreted kernels: races (DMA and semaphore races, checked inside the plain interpretation "
-            "or by TPU interpret mode's detector where a kernel runs there), bounds (an out-of-bounds index raises; "
+            "check interpreted kernels: races (DMA and semaphore races, waits no signal satisfies, output blocks "
+            "written across a parallel grid axis; checked inside the plain interpretation or by TPU interpret "
+            "mode's detector where a kernel runs there), bounds (an out-of-bounds index raises; "
             "in every interpreter), agree (the first call runs "
             "in every interpreter that can run the kernel, and their outputs must agree where the kernel wrote), "
             "lowering (the first call also lowers the kernel for its real target, TPU or GPU, as JAX does "
