@@ -350,6 +350,7 @@ def test_a_refused_kernel_is_compiled_once_per_process(guard: Any, monkeypatch: 
         return compile_once(self, *args, **kwargs)
 
     monkeypatch.setattr(jax.stages.Lowered, "compile", counted)
+    monkeypatch.setattr(_tpu_compile, "_refused", {})  # as in a new process: no test before refused it
     guard("interpret", checks="compile")
     call = _kernel((64, 128), jnp.float16)
     for _ in range(3):
