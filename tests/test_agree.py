@@ -261,3 +261,15 @@ def test_a_vmap_of_the_jitted_function_batches_it_uncompared_and_the_note_says_s
     assert np.asarray(out).tobytes() == _unchecked(jax.vmap(jax.jit(call)), xs)
     notes = pallas_guard.decisions()[-1].notes
     assert "agree: not checked: called under jax.vmap (batched after the guard traced it)" in notes
+
+
+def test_a_comparison_traced_but_never_run_is_forgotten_at_uninstall() -> None:
+    """Lowering a jitted call traces the comparison's gate without running it; uninstall() drops
+    it, so no later call waits for a gate of a guard that is gone."""
+    from pallas_guard._running import findings as _findings
+
+    pallas_guard.install("interpret", checks="agree")
+    jax.jit(_rows(transcendental)).lower(_x())
+    assert _findings._awaited
+    pallas_guard.uninstall()
+    assert not _findings._awaited and not _findings._handed_over

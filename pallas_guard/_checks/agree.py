@@ -14,10 +14,11 @@ majority.
 Each interpreter runs once, on the first call per kernel identity and shapes; the chosen one's
 outputs are the call's result. Under an outer trace (``jax.jit``, ``eval_shape``, ``.lower()``)
 nothing runs while tracing: a host callback traced into the computation receives the call's
-operands and the chosen interpreter's outputs when, and only if, the computation runs, and runs
-the other interpreters there, on the host. An interpreter beside the chosen one that fails on a
-kernel the chosen one runs never fails the call: the decision says it was not compared, unless
-its failure is the kernel's fault (an index out of range), which is a finding.
+operands and the chosen interpreter's outputs when, and only if, the computation runs, and the
+other interpreters run on them once the computation is done, outside XLA. An interpreter beside
+the chosen one that fails on a kernel the chosen one runs never fails the call: the decision says
+it was not compared, unless its failure is the kernel's fault (an index out of range), which is a
+finding.
 """
 
 from __future__ import annotations
@@ -432,7 +433,7 @@ def _first_difference(
 def _is_float(dtype: Any) -> bool:
     import numpy as np
 
-    return bool(np.issubdtype(dtype, np.inexact)) or dtype.kind == "V" or "float" in str(dtype)
+    return bool(np.issubdtype(dtype, np.inexact)) or "float" in str(dtype)  # bfloat16, float8: ml_dtypes
 
 
 def _close(a: Any, b: Any, written: Any | None) -> Any:

@@ -152,6 +152,18 @@ def hook(hooks: list[Any], *, checking_at_run_time: Callable[[], bool]) -> None:
     wrap(dispatch, jax_tracing.FAST_DISPATCH_DATA, through, hooks, is_ours=_is_ours)
     if not any(isinstance(f, _QuietFindings) for f in logging.getLogger(_CALLBACK_LOGGER).filters):
         hooks.append(_QuietFindings())
+    hooks.append(_ForgetGates())
+
+
+class _ForgetGates:
+    """On uninstall: gates traced but never run, and work never done, are dropped (no later call
+    waits for them, none does a check's work for a guard that is gone)."""
+
+    @staticmethod
+    def restore() -> None:
+        with _lock:
+            _awaited.clear()
+            _handed_over.clear()
 
 
 _CALLBACK_LOGGER = "jax._src.callback"
@@ -203,7 +215,8 @@ def _raising_findings(call: Callable[..., Any]) -> Callable[..., Any]:
                 raise
             # JAX's error says nothing the finding does not (its text is the callback's traceback).
             raise found.with_traceback(None) from None
-        if _awaited or _handed_over:
+        # Only a computation with host callbacks can hold a gate: any other is never waited for.
+        if (_awaited or _handed_over) and getattr(self, "has_host_callbacks", True):
             _after_the_run(out)
         return out
 
