@@ -40,6 +40,10 @@ DETECT_RACES_ENV = "PALLAS_GUARD_DETECT_RACES"
 """``1``: the older spelling of ``PALLAS_GUARD_CHECKS=races``."""
 MAX_STEPS_ENV = "PALLAS_GUARD_MAX_STEPS"
 """The most grid steps an interpreted kernel may run."""
+VMEM_HEADROOM_ENV = "PALLAS_GUARD_VMEM_HEADROOM"
+"""The share of a TPU generation's VMEM limit a kernel the compile check compiles must leave free."""
+EXIT_SUMMARY_ENV = "PALLAS_GUARD_EXIT_SUMMARY"
+"""Set by ``pallas-guard run``: each guarded process prints its TPU memory figures to stderr at exit."""
 FAST_PLAIN_ENV = "PALLAS_GUARD_FAST_PLAIN"
 """``off``: the plain interpreter exactly as JAX ships it (the way back from the guard's fast path)."""
 DEVICE_ENV = "PALLAS_GUARD_DEVICE"
@@ -237,6 +241,22 @@ def _word_of_int(value: object) -> str | None:
         return None
     # A huge int: a word parse refuses by its length, without str() (which raises past 4300 digits).
     return str(value) if value.bit_length() <= 64 else "9" * (_MAX_INT_DIGITS + 1)
+
+
+def fraction(word: str) -> float | None:
+    """A share below one: ``0.05`` or ``5%`` (ASCII digits and one point, at most 18 characters);
+    ``0`` for none; else None."""
+    number = word[:-1].strip() if word.endswith("%") else word
+    if not (0 < len(number) <= _MAX_INT_DIGITS and number.isascii() and number.replace(".", "", 1).isdigit()):
+        return None
+    value = float(number) / (100 if word.endswith("%") else 1)
+    return value if 0 <= value < 1 else None
+
+
+def _word_of_fraction(value: object) -> str | None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return None
+    return repr(float(value))
 
 
 CHECKS = {
@@ -458,6 +478,19 @@ OPTIONS = {
             word_of=_word_of_int,
             also=" or int",
         ),
+        Option(
+            "vmem_headroom",
+            VMEM_HEADROOM_ENV,
+            "share",
+            fraction,
+            "a share of a memory below 1, as a fraction ('0.05') or a percentage ('5%'); '0' for none",
+            0.0,
+            "the compile check's margin: a TPU kernel that compiles but takes more than (1 - headroom) of a "
+            "generation's VMEM limit (scoped, or whole for a scratch placed outside it) is a finding, as it would "
+            "be refused after a small change of shapes or of the compiler",
+            word_of=_word_of_fraction,
+            also=" or float",
+        ),
     )
 }
 """Every setting, declared once: ``install()``, ``policy()``, the pytest plugin and the CLI use it."""
@@ -486,8 +519,9 @@ def unknown_variables(environ: "Mapping[str, str] | None" = None) -> "list[str]"
     if not found:
         return []
     known = [variable for option in OPTIONS.values() for variable in option.variables()]
+    set_by_the_cli = {EXIT_SUMMARY_ENV}
     sentences = []
-    for name in sorted(set(found) - set(known)):
+    for name in sorted(set(found) - set(known) - set_by_the_cli):
         near = closest(name, known)
         hint = f"; did you mean {near}?" if near else f"; the variables it reads: {', '.join(known)}"
         sentences.append(f"{name} is not a pallas_guard variable and is ignored{hint}")

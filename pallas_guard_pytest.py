@@ -49,6 +49,11 @@ DURATIONS_HELP = (
     "list the N slowest tests that ran interpreted kernels, with each kernel's interpreter and grid steps "
     f"(default {DURATIONS_DEFAULT}; 0: all)"
 )
+REPORT_HELP = (
+    "write what each kernel takes of each TPU generation's VMEM and SMEM (the compile check), against the "
+    "limit, to PATH: HTML (.html) or Markdown with an SVG beside it (any other name); the same table is "
+    "appended to $GITHUB_STEP_SUMMARY where that is set"
+)
 OVER_BUDGET_HELP = (
     "what a test whose Pallas kernel was over the step budget (pallas_guard_max_steps) reports: "
     "fail (default) or skip, with the guard's error as the reason"
@@ -56,8 +61,8 @@ OVER_BUDGET_HELP = (
 OVER_BUDGET_CHOICES = ("fail", "skip")
 _MARKER_ACTIONS = ("skip_interpreted", "xfail_interpreted")
 MARKER = (
-    "pallas_guard(policy=None, *, interpreter=None, checks=None, max_steps=None, skip_interpreted=None, "
-    "xfail_interpreted=None): run this test (class, module) under these pallas_guard settings "
+    "pallas_guard(policy=None, *, interpreter=None, checks=None, max_steps=None, vmem_headroom=None, "
+    "skip_interpreted=None, xfail_interpreted=None): run this test (class, module) under these pallas_guard settings "
     "(pallas_guard.policy() scope; activates the guard for it if the session has none); skip or xfail it, "
     "with this reason, where the guard runs its kernels interpreted (target CPU, policy interpret or warn)"
 )
@@ -138,6 +143,9 @@ class _Session:
             }
         )
         self.active = True
+        from pallas_guard._surfaces import report as _report
+
+        _report.shown_by_pytest = True  # its summary (the controller's, under xdist) shows the figures
 
     # --- records ---------------------------------------------------------------------------------
 
@@ -145,12 +153,16 @@ class _Session:
         """Attribute the decisions recorded since the last call to ``nodeid``."""
         if "pallas_guard" not in sys.modules:
             return
+        from pallas_guard._surfaces import report as _report
         from pallas_guard._vocabulary import record as _record
 
         records = _record.snapshot()
         if len(records) < self._seen:  # someone cleared them (clear_decisions())
             self._seen = 0
-        self.rows.extend(_row(decision, nodeid) for decision in records[self._seen :])
+        for decision in records[self._seen :]:
+            row = _row(decision, nodeid)
+            row["memory"] = [_report.as_row(use) for use in getattr(decision, "memory", ())]
+            self.rows.append(row)
         self._seen = len(records)
 
 
@@ -217,6 +229,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         except (AssertionError, TypeError, ValueError):  # older pytest: one type per setting
             parser.addini(option.ini, help, type="args")
     group.addoption("--pallas-guard-details", action="store_true", dest="pallas_guard_details", help=DETAILS_HELP)
+    group.addoption("--pallas-guard-report", dest="pallas_guard_report", metavar="PATH", help=REPORT_HELP)
     group.addoption(
         "--pallas-guard-durations",
         type=int,
@@ -549,7 +562,8 @@ def summary_lines(rows: list[dict[str, Any]], *, details: bool) -> list[str]:
         lines[0] += f"; {sum(found.values())} finding(s) ({by_check})"
     if not rows:
         return lines
-    notes = Counter(note for row in rows for note in row.get("notes") or ())
+    # What a compile gave is a figure per kernel (the memory lines name the kernel), not a note.
+    notes = Counter(note for row in rows for note in row.get("notes") or () if not note.startswith(_COMPILED))
     for note, count in notes.items():  # each distinct note once, with how many kernels it concerns
         lines.append(printable(f"note ({count} kernel(s)): {note}"))
     # An agree verdict is no note (it is in the reason sentence): counted the same way here.
@@ -609,6 +623,41 @@ def duration_lines(rows: list[dict[str, Any]], durations: dict[str, float], *, c
     return lines
 
 
+def _memory(state: _Session, config: pytest.Config, *, details: bool) -> list[str]:
+    """The TPU memory figures: lines for the summary; the report and the step summary written."""
+    path = config.getoption("pallas_guard_report")
+    if not path and not any(row.get("memory") for row in state.rows):
+        return []
+    from pallas_guard._surfaces import report as _report
+
+    found = _report.bars(state.rows)
+    shown = _report.lines(found, count=None if details else _MEMORY_LINES)
+    compiles = [
+        part
+        for row in state.rows
+        for note in row.get("notes") or ()
+        if note.startswith(_COMPILED)
+        for part in note[len(_COMPILED) :].split("; ")
+    ]
+    if compiles:  # what the on-disk cache saved this run
+        cached = sum("(cached: " in part for part in compiles)
+        shown.append(f"compile cache: {cached} of {len(compiles)} compile(s) read from earlier runs")
+    if path:
+        try:
+            _report.write(path, found)
+            shown.append(printable(f"report: {path}"))
+        except OSError as error:
+            shown.append(printable(f"report: not written to {path}: {error}"))
+    if _report.append_step_summary(found):
+        shown.append("report: appended to $GITHUB_STEP_SUMMARY")
+    return shown
+
+
+_COMPILED = "compile: compiles for "
+_MEMORY_LINES = 10
+"""Memory figures the summary shows without --pallas-guard-details: the tightest."""
+
+
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
     state = config.stash[_KEY]
     if not state.active and not state.rows:
@@ -616,7 +665,10 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
     terminalreporter.write_sep("=", "pallas_guard summary")
     for line in armed_lines(state.armed):
         terminalreporter.write_line(line)
-    for line in summary_lines(state.rows, details=bool(config.getoption("pallas_guard_details"))):
+    details = bool(config.getoption("pallas_guard_details"))
+    for line in summary_lines(state.rows, details=details):
+        terminalreporter.write_line(line)
+    for line in _memory(state, config, details=details):
         terminalreporter.write_line(line)
     count = config.getoption("pallas_guard_durations")
     for line in duration_lines(state.rows, state.durations, count=DURATIONS_DEFAULT if count is None else count):

@@ -20,12 +20,13 @@ from pallas_guard._vocabulary import record as _record
 from pallas_guard._vocabulary import settings as _settings
 from pallas_guard._vocabulary.enums import Interpreter, Policy
 from pallas_guard._vocabulary.errors import PallasGuardError, PallasGuardWarning
-from pallas_guard._vocabulary.record import Decision
+from pallas_guard._vocabulary.record import Decision, MemoryUse
 from pallas_guard_autoload import PallasGuardConfigError
 
 __all__ = (
     "Decision",
     "Interpreter",
+    "MemoryUse",
     "PallasGuardConfigError",
     "PallasGuardError",
     "PallasGuardWarning",
@@ -67,6 +68,7 @@ def policy(
     device: str | Sequence[str] | None = None,
     fast_plain: bool | str | None = None,
     require_checks: bool | str | None = None,
+    vmem_headroom: float | str | None = None,
 ) -> _settings.AbstractContextManager[None]:
     """Override settings inside a ``with`` block; thread- and task-local.
 
@@ -77,7 +79,9 @@ def policy(
     ``"none"``), or several (a comma list or a sequence: host code is told the first, each kernel
     family is lowered for the first of its platform, the compile check compiles for every TPU
     generation listed); ``require_checks``: True makes a check asked for that cannot run on a
-    kernel fail its call instead of leaving a note. Bad values raise here,
+    kernel fail its call instead of leaving a note; ``vmem_headroom``: a share (``0.05``, ``"5%"``)
+    of a TPU generation's VMEM limit a kernel the compile check compiles must leave free, else
+    it is a finding. Bad values raise here,
     before the block. Settings apply where a kernel is called and lowered: a function jitted before
     the block keeps its executable (``jax.clear_caches()`` to re-trace).
     """
@@ -89,6 +93,7 @@ def policy(
         "device": device,
         "fast_plain": fast_plain,
         "require_checks": require_checks,
+        "vmem_headroom": vmem_headroom,
     }
     return _scope(_settings.given(given, call="policy", source="pallas_guard.policy() scope"))
 

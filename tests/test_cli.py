@@ -16,7 +16,15 @@ from conftest import clean_env
 from pallas_guard import PallasGuardConfigError
 from pallas_guard._deciding import target as _target
 from pallas_guard._surfaces import cli as _cli
-from pallas_guard_autoload import CHECKS_ENV, DETECT_RACES_ENV, INTERPRETER_ENV, MAX_STEPS_ENV, OPTIONS, POLICY_ENV
+from pallas_guard_autoload import (
+    CHECKS_ENV,
+    DETECT_RACES_ENV,
+    EXIT_SUMMARY_ENV,
+    INTERPRETER_ENV,
+    MAX_STEPS_ENV,
+    OPTIONS,
+    POLICY_ENV,
+)
 
 AUTOLOAD_INSTALLED = bool(_cli.installed_startup_files())
 
@@ -70,7 +78,8 @@ def test_bad_arguments_exit_2_with_argparse_errors(
 
 def test_run_environment_always_sets_the_policy_variable() -> None:
     base = {"PATH": "/bin"}
-    assert _cli.guarded_environment(None, None, base) == {"PATH": "/bin", POLICY_ENV: "warn"}
+    # and the one that makes each guarded process print its TPU memory figures at exit
+    assert _cli.guarded_environment(None, None, base) == {"PATH": "/bin", POLICY_ENV: "warn", EXIT_SUMMARY_ENV: "1"}
     assert _cli.guarded_environment("STRICT", "tpu", base)[INTERPRETER_ENV] == "tpu"
     assert _cli.guarded_environment(None, None, {POLICY_ENV: " Interpret "})[POLICY_ENV] == "interpret"
     with pytest.raises(PallasGuardConfigError, match="PALLAS_GUARD_INTERPRETER='cuda'"):

@@ -7,6 +7,7 @@ install it is tested.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import jax
@@ -358,3 +359,59 @@ def test_a_refused_kernel_is_compiled_once_per_process(guard: Any, monkeypatch: 
             call(jnp.zeros((64, 128), jnp.float16))
     assert len(compiles) == 1
     assert len([d for d in pallas_guard.decisions() if d.action == "found"]) == 3
+
+
+RACING_WORKER = """
+import sys, jax, jax.numpy as jnp
+from jax.experimental import pallas as pl
+import pallas_guard
+
+pallas_guard.install("interpret", checks="compile", device="tpu-v5e")
+
+def add_one(x_ref, o_ref):
+    o_ref[...] = x_ref[...] + 1
+
+sys.stdin.readline()  # every worker starts its compile together
+spec = pl.BlockSpec((8, 128), lambda i: (i, 0))
+call = pl.pallas_call(add_one, out_shape=jax.ShapeDtypeStruct((64, 128), jnp.float32), grid=(8,),
+                      in_specs=[spec], out_specs=spec)
+print(float(call(jnp.zeros((64, 128)))[0, 0]))
+print([n for d in pallas_guard.decisions() for n in d.notes if n.startswith("compile:")][-1])
+"""
+
+
+@needs_libtpu
+def test_workers_compiling_one_kernel_at_once_share_one_whole_cache_entry(tmp_path: Any) -> None:
+    """pytest-xdist workers (here four processes released together) compile the same kernel into
+    one cache: each gets the verdict, the entry is whole JSON, no temporary file is left, and a
+    later round reads it in every worker."""
+    import subprocess
+    import sys
+
+    from conftest import clean_env
+
+    env = clean_env({"JAX_PLATFORMS": "cpu", "XDG_CACHE_HOME": str(tmp_path)})
+
+    def round_of(count: int) -> list[str]:
+        workers = [
+            subprocess.Popen(
+                [sys.executable, "-c", RACING_WORKER],
+                env=env,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for _ in range(count)
+        ]
+        outputs = [worker.communicate("go\n", timeout=240) for worker in workers]
+        assert all(worker.returncode == 0 for worker in workers), [err for _, err in outputs]
+        return [out.split("\n")[1] for out, _ in outputs]
+
+    first = round_of(4)
+    assert all(note.startswith("compile: compiles for tpu-v5e: VMEM ") for note in first)
+    kept = tmp_path / "pallas_guard" / "tpu-compiles"
+    entries = list(kept.iterdir())
+    assert [entry.suffix for entry in entries] == [".json"], entries  # one entry, no temporary left
+    json.loads(entries[0].read_text())
+    assert all(note.endswith("(cached: an earlier run compiled it)") for note in round_of(2))

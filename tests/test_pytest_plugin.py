@@ -86,7 +86,7 @@ def test_option_marker_header_and_summary(tester: pytest.Pytester) -> None:
         [
             "pallas_guard: policy warn (from --pallas-guard-policy), interpreter auto (from default), "
             "checks none (from default), require checks off (from default), fast plain on (from default), "
-            "device none (from default), max steps none (from default), target cpu *",
+            "device none (from default), max steps none (from default), vmem headroom 0.0 (from default), target cpu *",
             "*= pallas_guard summary =*",
             "3 Pallas kernel(s): 2 interpreted (plain: 2), 1 refused, 0 left alone; in 3 test(s)",
         ]
@@ -365,7 +365,7 @@ def test_budget_skip_markers_durations_and_header(tester: pytest.Pytester, monke
             "pallas_guard: policy interpret (from PALLAS_INTERPRET), interpreter auto (from default), checks none "
             "(from default), require checks off (from default), fast plain on (from default), "
             "device none (from default), max steps 4 (from pallas_guard_max_steps in pytest.ini), "
-            "target cpu *",
+            "vmem headroom 0.0 (from default), target cpu *",
         ]
     )
     result.stdout.fnmatch_lines(["FAILED test_budget.py::test_other_failure_still_fails - ValueError: not the*"])
@@ -406,7 +406,8 @@ def test_budget_skip_markers_durations_and_header(tester: pytest.Pytester, monke
             ("--pallas-guard-policy=interpret", "--pallas-guard-checks=races,bounds"),
             "pallas_guard: policy interpret (from --pallas-guard-policy), interpreter auto (from default), checks "
             "races,bounds (from --pallas-guard-checks), require checks off (from default), fast plain on "
-            "(from default), device none (from default), max steps none (from default), target tpu *",
+            "(from default), device none (from default), max steps none (from default), "
+            "vmem headroom 0.0 (from default), target tpu *",
         ),
         ({}, (), "pallas_guard: inactive *"),
     ],

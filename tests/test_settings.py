@@ -23,6 +23,7 @@ from pallas_guard_autoload import (
     PALLAS_INTERPRET_ENV,
     POLICY_ENV,
     REQUIRE_CHECKS_ENV,
+    VMEM_HEADROOM_ENV,
     guard_wanted,
     read_environment,
 )
@@ -47,6 +48,7 @@ def test_options_declare_each_setting_once() -> None:
         "require_checks": (REQUIRE_CHECKS_ENV, "boolean", False),
         "device": (DEVICE_ENV, "device", "none"),
         "max_steps": (MAX_STEPS_ENV, "step budget", None),
+        "vmem_headroom": (VMEM_HEADROOM_ENV, "share", 0.0),
     }
     # The older and the shared spellings are aliases of two rows, not rows of their own.
     assert OPTIONS["checks"].alias is not None and OPTIONS["checks"].alias.env == DETECT_RACES_ENV

@@ -21,6 +21,7 @@ from pallas_guard._deciding import diagnostics as _diagnostics
 from pallas_guard._running import tpu_compile as _tpu_compile
 from pallas_guard._vocabulary import settings as _settings
 from pallas_guard._vocabulary.errors import PallasGuardError
+from pallas_guard._vocabulary.record import MemoryUse
 from pallas_guard_autoload import device_list
 
 if TYPE_CHECKING:
@@ -53,6 +54,7 @@ class Compile(_checks.Check):
             return unchecked(missing)
         compiled: dict[str, str] = {}  # generation -> its usage
         refused: dict[str, BaseException] = {}
+        memory: list[MemoryUse] = []
         for generation in _generations(_settings.current("device").value):
             outcome = _tpu_compile.compile_kernel(run.kernel.build, args, kwargs, generation)
             if outcome.unchecked is not None:
@@ -61,21 +63,24 @@ class Compile(_checks.Check):
                 return _checks.Prepared(
                     _checks.unchecked(self.name, why, kernel=run.kernel.info, call_site=run.call_site, note=note)
                 )
+            figures = memory_use(outcome)
+            memory.extend(figures)
             if outcome.error is None:
-                compiled[generation] = usage(outcome)
+                compiled[generation] = usage(figures, cached=outcome.cached)
             else:
                 refused[generation] = outcome.error
+        memory.sort(key=lambda use: -use.share)
         if not refused:
-            return _checks.Prepared("compile: compiles for " + "; ".join(f"{g}{use}" for g, use in compiled.items()))
+            _within_headroom(run, tuple(memory))
+            note = "compile: compiles for " + "; ".join(f"{g}{use}" for g, use in compiled.items())
+            return _checks.Prepared(note, memory=tuple(memory))
         generation, refusal = next(iter(refused.items()))
         source = target.source if generation == target.device else "the device setting"
         if compiled:  # which generations it does compile for: the refusal is this generation's
             source += f"; it compiles for {_and(list(compiled))}"
         if len(refused) > 1:
             source += f"; {_and(list(refused)[1:])} {'refuses' if len(refused) == 2 else 'refuse'} it too"
-        capacity = (
-            _tpu_compile.GENERATIONS[generation].vmem_capacity if generation in _tpu_compile.GENERATIONS else None
-        )
+        capacity = _capacity(generation)
         error = _diagnostics.lowering_refused(
             kernel=run.kernel.info,
             call_site=run.call_site,
@@ -86,7 +91,9 @@ class Compile(_checks.Check):
             check=self.name,
         )
         finding = as_the_targets(error, refusal)
-        raise _checks.found(self.name, finding, kernel=run.kernel.info, call_site=run.call_site) from None
+        raise _checks.found(
+            self.name, finding, kernel=run.kernel.info, call_site=run.call_site, memory=tuple(memory)
+        ) from None
 
 
 def _generations(setting: str | None) -> list[str]:
@@ -116,22 +123,53 @@ def _aborting_memory_space(kwargs: dict[str, Any]) -> str | None:
     return None
 
 
-def usage(outcome: _tpu_compile.Outcome) -> str:
-    """``: VMEM 1.0 MiB of 16.0 MiB, SMEM 8 B of 1.0 MiB`` where the compiler said."""
-    parts = []
+def memory_use(outcome: _tpu_compile.Outcome) -> list[MemoryUse]:
+    """What the compiler said the kernel takes of ``outcome.generation``'s memories: its figures
+    where it compiled, the refusal's where it was refused."""
+    generation, compiled = outcome.generation, outcome.error is None
+    if not compiled:
+        figures = _diagnostics.refused_memory(outcome.error)  # type: ignore[arg-type]
+        return [MemoryUse(generation, space, used, limit, compiled=False) for space, used, limit in figures]
+    uses = []
     if outcome.vmem_used is not None and outcome.vmem_limit:
-        parts.append(f"VMEM {_size(outcome.vmem_used)} of {_size(outcome.vmem_limit)}")
+        uses.append(MemoryUse(generation, "VMEM", outcome.vmem_used, outcome.vmem_limit, compiled=True))
+    spec = _tpu_compile.GENERATIONS.get(generation)
+    if outcome.vmem_scratch and spec is not None:
+        uses.append(MemoryUse(generation, "VMEM scratch", outcome.vmem_scratch, spec.vmem_capacity, compiled=True))
     if outcome.smem_used is not None and outcome.smem_limit:
-        parts.append(f"SMEM {_size(outcome.smem_used)} of {_size(outcome.smem_limit)}")
-    kept = " (cached: an earlier run compiled it)" if outcome.cached else ""
-    return f": {', '.join(parts)}{kept}" if parts else kept
+        uses.append(MemoryUse(generation, "SMEM", outcome.smem_used, outcome.smem_limit, compiled=True))
+    return uses
 
 
-def _size(count: int) -> str:
-    for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if count >= scale:
-            return f"{count / scale:.1f} {unit}"
-    return f"{count} B"
+def usage(figures: list[MemoryUse], *, cached: bool = False) -> str:
+    """``: VMEM 1.0 MiB of 16.0 MiB (6%), SMEM 8 B of 1.0 MiB (0%)`` where the compiler said."""
+    kept = " (cached: an earlier run compiled it)" if cached else ""
+    return f": {', '.join(map(str, figures))}{kept}" if figures else kept
+
+
+def _within_headroom(run: Run, memory: tuple[MemoryUse, ...]) -> None:
+    """A kernel that compiles but leaves less of a VMEM limit free than the headroom setting asks
+    is a finding: a small change of shapes, of the compiler or of the chip refuses it."""
+    __tracebackhide__ = True
+    headroom = _settings.current("vmem_headroom")
+    if not headroom.value:
+        return
+    tight = [use for use in memory if use.space.startswith("VMEM") and use.share > 1 - headroom.value]
+    if not tight:
+        return
+    error = _diagnostics.too_tight(
+        kernel=run.kernel.info,
+        call_site=run.call_site,
+        uses=[str(use) + f" on {use.generation}" for use in tight],
+        headroom=_settings.stated("vmem_headroom"),
+        fix=_diagnostics.tight_fix(tight[0].space, tight[0].generation, vmem_capacity=_capacity(tight[0].generation)),
+    )
+    raise _checks.found("compile", error, kernel=run.kernel.info, call_site=run.call_site, memory=memory)
+
+
+def _capacity(generation: str) -> int | None:
+    spec = _tpu_compile.GENERATIONS.get(generation)
+    return spec.vmem_capacity if spec else None
 
 
 def as_the_targets(finding: PallasGuardError, refusal: BaseException) -> PallasGuardError:

@@ -77,13 +77,21 @@ class Check:
 
 
 class Prepared:
-    """What a check's ``before`` settled: a note for the decision, and, where it ran the kernel
-    to check it, the interpreter whose outputs are the call's result (eager calls only)."""
+    """What a check's ``before`` settled: a note for the decision, the memory the kernel takes
+    of each TPU generation, and, where it ran the kernel to check it, the interpreter whose outputs
+    are the call's result (eager calls only)."""
 
-    __slots__ = ("note", "outputs", "settles")
+    __slots__ = ("memory", "note", "outputs", "settles")
 
-    def __init__(self, note: str | None = None, *, outputs: Any = None, settles: bool = True) -> None:
-        self.note, self.outputs, self.settles = note, outputs, settles
+    def __init__(
+        self,
+        note: str | None = None,
+        *,
+        memory: tuple[_record.MemoryUse, ...] = (),
+        outputs: Any = None,
+        settles: bool = True,
+    ) -> None:
+        self.note, self.memory, self.outputs, self.settles = note, memory, outputs, settles
 
 
 def in_force(names: Iterable[str]) -> tuple[Check, ...]:
@@ -135,6 +143,7 @@ def found(
     call_site: CallSite,
     interpreter: str | None = None,
     why: str | None = None,
+    memory: tuple[_record.MemoryUse, ...] = (),
 ) -> PallasGuardError:
     """A finding of ``check``: recorded as a decision, returned for the caller to raise."""
     from pallas_guard._vocabulary import settings as _settings
@@ -152,5 +161,6 @@ def found(
         policy_source=policy.source,
         check=check,
         why=why or f"found by the {check} check",
+        memory=memory,
     )
     return error

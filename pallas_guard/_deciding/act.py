@@ -24,6 +24,7 @@ def carry_out(
     interpreter: str | None = None,
     tried: tuple[str, ...] = (),
     notes: tuple[str, ...] = (),
+    memory: tuple[_record.MemoryUse, ...] = (),
     grid: tuple[Any, ...] | None = None,
     budget: Setting[int | None] | None = None,
 ) -> None:
@@ -31,7 +32,8 @@ def carry_out(
 
     ``interpreter`` is the one running it (interpreted), or the one the caller chose (untouched);
     ``tried`` lists the interpreters verified before it, each with its outcome; ``notes`` what the
-    checks asked for mean for this kernel (recorded, never warned: a check must not fail a test).
+    checks asked for mean for this kernel (recorded, never warned: a check must not fail a test);
+    ``memory`` what it takes of each TPU generation's memories, where the compile check compiled it.
     """
     __tracebackhide__ = True
 
@@ -57,6 +59,7 @@ def carry_out(
                 steps=plan.steps,
                 policy_source=policy.source,
                 notes=notes,
+                memory=memory,
                 why=_diagnostics.reason_sentence(reason, layer),
             )
 

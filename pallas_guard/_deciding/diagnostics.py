@@ -525,6 +525,24 @@ def lowering_refused(
     )
 
 
+def too_tight(*, kernel: KernelInfo, call_site: CallSite, uses: list[str], headroom: str, fix: str) -> PallasGuardError:
+    """A kernel the TPU compiles with less VMEM to spare than the headroom setting asks."""
+    return PallasGuardError(
+        f"pallas_guard: {_describe(kernel, call_site)} compiles for the TPU with less VMEM to spare than the "
+        f"headroom setting asks ({headroom}), found by the compile check: it takes {'; '.join(uses)}. "
+        "A small change of shapes, of the compiler or of the chip refuses it."
+        f"\nTo fix: {fix}"
+    )
+
+
+def tight_fix(space: str, generation: str, *, vmem_capacity: int | None) -> str:
+    """What frees a VMEM limit the kernel nearly fills (the refusal's fix, before the refusal)."""
+    if space == "VMEM scratch":
+        return f"shrink the kernel's VMEM scratch (its scratch_shapes), held to {generation}'s whole VMEM"
+    most = f" up to {_mib(vmem_capacity)}, {generation}'s whole VMEM" if vmem_capacity else ""
+    return f"pass `vmem_limit_bytes` (in its TPU compiler_params){most}, or {_SHRINK}"
+
+
 _REFUSAL_LINES = 8
 """Lines of a refusal kept: its first lines say what and where; the rest is MLIR context, or the
 compiler's listing of allocations, summed up in one line (the largest three)."""
@@ -561,8 +579,8 @@ def _refusal_text(error: BaseException) -> str:
 _BLOCK_AND_ARRAY = re.compile(r"block shape \((.*?)\),? (?:while the overall )?array shape (?:is )?\(([\d, ]+)\)", re.S)
 _SCOPED_VMEM = re.compile(r"size ([\d.]+[KMG]?) and limit ([\d.]+[KMG]?) exceeded scoped vmem limit")
 _WHOLE_VMEM = re.compile(
-    r"Used ([\d.]+[KMG]?) of [\d.]+[KMG]? vmem"
-    r"|Allocation \(size=(\d+)\) would exceed memory \(size=\d+\)[^\n]*space=vmem"
+    r"Used ([\d.]+[KMG]?) of ([\d.]+[KMG]?) vmem"
+    r"|Allocation \(size=(\d+)\) would exceed memory \(size=(\d+)\)[^\n]*space=vmem([^\n]*tag = 'scratch operand')?"
 )
 _WHOLE_SMEM = re.compile(r"Allocation \(size=(\d+)\) would exceed memory \(size=(\d+)\)[^\n]*space=smem")
 _TILING = re.compile(r"has tiling \((\d+, \d+)\), but its block shape")
@@ -621,7 +639,12 @@ def _whole_vmem(refused: _Refused) -> str | None:
     whole = _WHOLE_VMEM.search(refused.text)
     if whole is None:
         return None
-    used = whole.group(1) + "iB" if whole.group(1) else _mib(int(whole.group(2)))
+    used = whole.group(1) + "iB" if whole.group(1) else _mib(int(whole.group(3)))
+    if whole.group(5):
+        return (
+            f"the kernel's VMEM scratch (its scratch_shapes) takes {used}, more than {refused.chip}'s whole VMEM: "
+            "shrink it, or keep the part a grid step does not need in HBM (`memory_space=pl.ANY`)"
+        )
     return f"the kernel needs {used} of VMEM, more than {refused.chip}'s whole VMEM: {_SHRINK}"
 
 
@@ -686,6 +709,31 @@ def refusal_fix(error: BaseException, *, target: str | None = None, vmem_capacit
     core-parallel axis on a one-core chip."""
     refused = _Refused(str(error), target or "this TPU", vmem_capacity)
     return next((fix for fix in (rule(refused) for rule in _FIXES) if fix), None)
+
+
+def refused_memory(error: BaseException) -> list[tuple[str, int, int]]:
+    """``(space, used, limit)`` in bytes for each memory a TPU refusal says was exhausted: scoped
+    VMEM (``"VMEM"``), a scratch placed in the whole VMEM (``"VMEM scratch"``), the whole VMEM, SMEM."""
+    text = str(error)
+    figures = []
+    scoped = _SCOPED_VMEM.search(text)
+    if scoped is not None:
+        figures.append(("VMEM", _bytes(scoped.group(1)), _bytes(scoped.group(2))))
+    whole = _WHOLE_VMEM.search(text)
+    if whole is not None and whole.group(1):
+        figures.append(("VMEM", _bytes(whole.group(1)), _bytes(whole.group(2))))
+    elif whole is not None:
+        figures.append(("VMEM scratch" if whole.group(5) else "VMEM", int(whole.group(3)), int(whole.group(4))))
+    smem = _WHOLE_SMEM.search(text)
+    if smem is not None:
+        figures.append(("SMEM", int(smem.group(1)), int(smem.group(2))))
+    return figures
+
+
+def _bytes(figure: str) -> int:
+    """libtpu's ``16.00M`` (binary units) in bytes."""
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(figure[-1:], 1)
+    return round(float(figure.rstrip("KMG")) * scale)
 
 
 def _mib(count: int | None) -> str:

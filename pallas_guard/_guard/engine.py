@@ -33,7 +33,7 @@ from pallas_guard._deciding import interpreters as _interpreters
 from pallas_guard._deciding import plan as _plan
 from pallas_guard._deciding.kernel import Kernel
 from pallas_guard._deciding.target import Target
-from pallas_guard._guard.ledger import Ledger
+from pallas_guard._guard.ledger import Ledger, Settled
 from pallas_guard._jax import config as jax_config
 from pallas_guard._jax import lookup as jax_lookup
 from pallas_guard._jax import lowering as jax_lowering
@@ -46,6 +46,7 @@ from pallas_guard._vocabulary import record as _record
 from pallas_guard._vocabulary import settings as _settings
 from pallas_guard._vocabulary.enums import Policy
 from pallas_guard._vocabulary.errors import PallasGuardError
+from pallas_guard._vocabulary.record import MemoryUse
 
 _NEVER_RETRIED = (MemoryError, RecursionError)
 """Failures of the machine, not of an interpreter: they propagate and pin nothing."""
@@ -223,6 +224,8 @@ class Run:
         self.call_args: tuple[tuple[Any, ...], dict[str, Any]] | None = None
         self.check_notes: tuple[str, ...] = ()
         """What the checks said of this call's kernel and shapes (the decision's notes)."""
+        self.memory: tuple[MemoryUse, ...] = ()
+        """What the kernel takes of each TPU generation's memories (the compile check's figures)."""
         self.learned: list[str] = []
         """What the net said of the kernel while the front door tried it (a check it could not apply)."""
 
@@ -298,13 +301,15 @@ class Run:
         self.call_args = (args, kwargs)
         outputs = None
         notes = []
+        memory: list[MemoryUse] = []
         for check in self.checks:  # first: a kernel a check refuses never runs, nor returns a result
             prepared = self._prepare(check, key, args, kwargs)
             if prepared.note:
                 notes.append(prepared.note)
+            memory.extend(prepared.memory)
             if prepared.outputs is not None:
                 outputs = prepared.outputs
-        self.check_notes = tuple(notes)
+        self.check_notes, self.memory = tuple(notes), tuple(memory)
         known = self.settled(key)
         if known is not None and outputs is not None:
             # A check ran the kernel in the interpreter settled on: that run is the call's result.
@@ -323,25 +328,32 @@ class Run:
         """What ``check`` needs before the run, once per kernel identity and shapes (settled under
         a key of its own; a finding is raised at every call, nothing is settled for it)."""
         __tracebackhide__ = True
-        # The device setting picks the target a check lowers or compiles for, and require_checks
-        # whether a check that cannot run fails the call: both part of what it settles.
-        check_key = (*key, check.name, _settings.current("device").value, _settings.current("require_checks").value)
+        # The device setting picks the target a check lowers or compiles for, require_checks
+        # whether a check that cannot run fails the call, the headroom what compiles too tightly:
+        # all part of what it settles.
+        check_key = (
+            *key,
+            check.name,
+            *(_settings.current(name).value for name in ("device", "require_checks", "vmem_headroom")),
+        )
         known = self.settled(check_key)
         if known is not None:
-            return _checks.Prepared(known[1][0] if known[1] else None)
+            notes = [entry for entry in known[1] if isinstance(entry, str)]
+            memory = tuple(entry for entry in known[1] if isinstance(entry, MemoryUse))
+            return _checks.Prepared(notes[0] if notes else None, memory=memory)
         prepared = check.before(self, args, kwargs) or _checks.Prepared()
         if prepared.settles:
-            self.settle(check_key, (check.name, (prepared.note,) if prepared.note else ()))
+            self.settle(check_key, (check.name, ((prepared.note,) if prepared.note else ()) + prepared.memory))
         return prepared
 
-    def settled(self, key: tuple[Hashable, ...]) -> tuple[str, tuple[str, ...]] | None:
+    def settled(self, key: tuple[Hashable, ...]) -> Settled | None:
         return self.ledger.settled(key) if key[0] is not None else self.kernel.settled.get(key)
 
     def settled_key(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Hashable, ...]:
         c = self.candidates
         return (self.kernel.identity, c.names, c.checked, _shape_key(args, kwargs))
 
-    def settle(self, key: tuple[Hashable, ...], choice: tuple[str, tuple[str, ...]]) -> None:
+    def settle(self, key: tuple[Hashable, ...], choice: Settled) -> None:
         if key[0] is not None:
             self.ledger.settle(key, choice)
         else:
@@ -452,7 +464,7 @@ class Run:
                 tried=tried,
             )
         if name == "plain" and not self.eager:
-            self.ledger.leave_to_net(self.kernel.info, tried=tried, notes=notes)
+            self.ledger.leave_to_net(self.kernel.info, tried=tried, notes=notes, memory=self.memory)
             return
         _act.carry_out(
             self.plan,
@@ -464,6 +476,7 @@ class Run:
             interpreter=name,
             tried=tried,
             notes=notes,
+            memory=self.memory,
         )
 
     def _explained(self, function: Callable[..., Any], name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -15,11 +15,25 @@ import contextvars
 import threading
 import weakref
 from collections.abc import Hashable, Iterator
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 if TYPE_CHECKING:  # at run time only their attributes are read: importing the guard stays light
     from pallas_guard._deciding.diagnostics import CallSite, KernelInfo
     from pallas_guard._vocabulary.entry_points import EntryPoint
+    from pallas_guard._vocabulary.record import MemoryUse
+
+Settled = tuple[str, tuple[Any, ...]]
+"""A settled choice: an interpreter and what was tried; or a check and what it said (its note and
+memory figures)."""
+
+
+class Left(NamedTuple):
+    """What the front door verified of a kernel it left to the net's plain interpreter."""
+
+    tried: tuple[str, ...]
+    notes: tuple[str, ...]
+    memory: tuple[MemoryUse, ...]
+
 
 _MAX_ENTRIES = 4096  # per store: one entry per kernel definition or identity, bounded all the same
 
@@ -44,8 +58,8 @@ class Ledger:
             "pallas_guard_calling", default=None
         )
         self._passed: dict[str, set[KernelInfo]] = {}
-        self._left: dict[tuple[str, str | None], tuple[tuple[str, ...], tuple[str, ...]]] = {}
-        self._settled: dict[Hashable, tuple[str, tuple[str, ...]]] = {}
+        self._left: dict[tuple[str, str | None], Left] = {}
+        self._settled: dict[Hashable, Settled] = {}
 
     # --- injected interpret= values -------------------------------------------------------------
 
@@ -78,12 +92,14 @@ class Ledger:
         finally:
             self._verifying.reset(token)
 
-    def leave_to_net(self, kernel: KernelInfo, *, tried: tuple[str, ...], notes: tuple[str, ...]) -> None:
+    def leave_to_net(
+        self, kernel: KernelInfo, *, tried: tuple[str, ...], notes: tuple[str, ...], memory: tuple[MemoryUse, ...] = ()
+    ) -> None:
         """The front door verified ``kernel`` and left it to the net's plain interpreter: what the
         net's record of it says besides its own reason."""
         with self._lock:
             if len(self._left) < _MAX_ENTRIES:
-                self._left[kernel_key(kernel)] = (tried, notes)
+                self._left[kernel_key(kernel)] = Left(tried, notes, memory)
 
     def annotate(self, kernel: KernelInfo, call_site: CallSite, note: str) -> None:
         """Add ``note`` to what the net will record of a kernel left to it, or else to the
@@ -91,15 +107,16 @@ class Ledger:
         with self._lock:
             left = self._left.get(kernel_key(kernel))
             if left is not None:
-                self._left[kernel_key(kernel)] = (left[0], tuple(dict.fromkeys((*left[1], note))))
+                self._left[kernel_key(kernel)] = left._replace(notes=tuple(dict.fromkeys((*left.notes, note))))
                 return
         from pallas_guard._vocabulary import record as _record
 
         _record.annotate(kernel, call_site, note)
 
-    def left_to_net(self, kernel: KernelInfo) -> tuple[tuple[str, ...], tuple[str, ...]]:
-        """(what was tried, notes) for a kernel the front door left to the net; empty if none."""
-        return self._left.get(kernel_key(kernel), ((), ()))
+    def left_to_net(self, kernel: KernelInfo) -> Left:
+        """What was tried, notes and memory figures for a kernel the front door left to the net;
+        empty if none."""
+        return self._left.get(kernel_key(kernel), Left((), (), ()))
 
     # --- the kernel being called -------------------------------------------------------------------
 
@@ -131,11 +148,11 @@ class Ledger:
 
     # --- settled choices, by kernel identity ----------------------------------------------------
 
-    def settled(self, identity: Hashable) -> tuple[str, tuple[str, ...]] | None:
+    def settled(self, identity: Hashable) -> Settled | None:
         with self._lock:
             return self._settled.get(identity)
 
-    def settle(self, identity: Hashable, choice: tuple[str, tuple[str, ...]]) -> None:
+    def settle(self, identity: Hashable, choice: Settled) -> None:
         with self._lock:
             if len(self._settled) < _MAX_ENTRIES:
                 self._settled[identity] = choice

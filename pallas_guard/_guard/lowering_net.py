@@ -75,7 +75,8 @@ def make_cpu_rule(entry_point: str, delegate: LoweringRule, installation: Guardi
         if plan.record or plan.action is not _plan.Action.UNTOUCHED:
             kernel, call_site = who(ctx, params)
             untouched = plan.action is _plan.Action.UNTOUCHED
-            tried, notes = ledger.left_to_net(kernel) if plan.action is _plan.Action.INTERPRET else ((), ())
+            left = ledger.left_to_net(kernel) if plan.action is _plan.Action.INTERPRET else None
+            tried, notes = (left.tried, left.notes) if left else ((), ())
             wanted = plain_checks(params)
             unchecked = checked_plain.unchecked_reason(entry_point, params) if wanted else None
             if unchecked is not None and not untouched:
@@ -90,6 +91,7 @@ def make_cpu_rule(entry_point: str, delegate: LoweringRule, installation: Guardi
                 interpreter=jax_pallas.interpreter_of(interpret) if untouched else "plain",
                 tried=tried,
                 notes=notes,
+                memory=left.memory if left else (),
                 grid=situation.grid,
                 budget=budget,
             )

@@ -98,6 +98,9 @@ class Outcome(NamedTuple):
     """An estimate: the bytes of the SMEM operands the Mosaic kernel declares (scalar prefetch, SMEM
     blocks and scratch, unpadded), the largest over the kernels. libtpu reports no SMEM use."""
     smem_limit: int | None = None
+    vmem_scratch: int | None = None
+    """The bytes of the kernel's VMEM ``scratch_shapes`` the compiler placed outside its scoped
+    allocation (held to the whole VMEM, not the scoped limit); None where they are inside it."""
     kernels: int = 0
     """Mosaic kernels in the compiled program."""
     seconds: float = 0.0
@@ -329,6 +332,7 @@ def _compiled(lowered: Any, generation: str, *, start: float, smem_limit: int | 
         vmem_limit=usage.vmem_limit,
         smem_used=usage.smem_used,
         smem_limit=smem_limit,
+        vmem_scratch=usage.vmem_scratch,
         kernels=usage.kernels,
         seconds=time.perf_counter() - start,
         cached=known is not None,
@@ -344,6 +348,8 @@ def _compiled(lowered: Any, generation: str, *, start: float, smem_limit: int | 
 # disk it is not, so a new run's error is the compiler's own, raised by it.
 
 _refused: dict[str, Outcome] = {}
+_VERDICT_FORMAT = "memory with scratch"
+"""Part of each kept verdict's key: a change of what is kept (a new figure) starts afresh."""
 
 
 def verdicts_dir() -> str:
@@ -363,7 +369,7 @@ def _verdict_file(lowered: Any, generation: str) -> str | None:
         library += f"@{os.path.getmtime(library)}"
     # The compiler's flags change its verdict too (LIBTPU_INIT_ARGS can set the scoped VMEM limit).
     flags = tuple(os.environ.get(name, "") for name in ("LIBTPU_INIT_ARGS", "XLA_FLAGS"))
-    compiler = (repr(GENERATIONS.get(generation)), *_versions(), library, *flags)
+    compiler = (_VERDICT_FORMAT, repr(GENERATIONS.get(generation)), *_versions(), library, *flags)
     digest = hashlib.sha256("\0".join((*compiler, generation, text)).encode()).hexdigest()
     return os.path.join(verdicts_dir(), f"{digest}.json")
 
@@ -383,7 +389,7 @@ def _read_verdict(path: str | None) -> Memory | None:
         known = Memory(**fields)
     except (OSError, ValueError, TypeError):  # absent, unreadable or not ours: compile
         return None
-    numbers = (known.vmem_used, known.vmem_limit, known.smem_used)
+    numbers = (known.vmem_used, known.vmem_limit, known.smem_used, known.vmem_scratch)
     if not isinstance(known.kernels, int) or not all(n is None or isinstance(n, int) for n in numbers):
         return None
     return known
@@ -437,6 +443,7 @@ class Memory(NamedTuple):
     vmem_limit: int | None
     smem_used: int | None
     kernels: int
+    vmem_scratch: int | None = None
 
 
 _VMEM = "1"
@@ -451,6 +458,7 @@ def memory(hlo_text: str, generation: str) -> Memory:
     default_limit = spec.scoped_vmem_limit if spec else None
     best: tuple[int, int | None] | None = None
     smem: int | None = None
+    scratch: int | None = None
     kernels = 0
     decoder = json.JSONDecoder()
     marker, key = 'custom_call_target="tpu_custom_call"', "backend_config="
@@ -473,10 +481,14 @@ def memory(hlo_text: str, generation: str) -> Memory:
         if used is not None and (best is None or used > best[0]):
             best = (used, limit)
         body = (config.get("custom_call_config") or {}).get("body")
-        declared = smem_declared(body) if isinstance(body, str) else None
-        if declared is not None:
-            smem = max(smem or 0, declared)
-    return Memory(best[0] if best else None, best[1] if best else default_limit, smem, kernels)
+        operands = declared(body) if isinstance(body, str) else None
+        if operands is not None:
+            smem = max(smem or 0, operands.smem)
+            # A scratch larger than the whole scoped allocation was placed outside it (libtpu does
+            # so for some kernels, and then holds it to the whole VMEM).
+            if operands.vmem_scratch > (used or 0):
+                scratch = max(scratch or 0, operands.vmem_scratch)
+    return Memory(best[0] if best else None, best[1] if best else default_limit, smem, kernels, scratch)
 
 
 def _space_size(configs: Any) -> int | None:
@@ -486,12 +498,19 @@ def _space_size(configs: Any) -> int | None:
     return None
 
 
-_SMEM_MEMREF = re.compile(r"memref<((?:\d+x)*)([a-z]+)(\d+)\b[^>]*#tpu\.memory_space<smem>>")
+_MEMREF = re.compile(r"memref<((?:\d+x)*)([a-z]+)(\d+)\b[^>]*#tpu\.memory_space<(smem|vmem)>>")
 
 
-def smem_declared(body: str) -> int | None:
-    """The bytes of the SMEM memrefs the Mosaic kernel in a ``tpu_custom_call`` body (base64 MLIR
-    bytecode) takes as operands; None where the body cannot be read here."""
+class Declared(NamedTuple):
+    smem: int
+    """The bytes of the SMEM operands (scalar prefetch, SMEM blocks and scratch), unpadded."""
+    vmem_scratch: int
+    """The bytes of the VMEM scratch operands, padded to the tiling libtpu allocates them in."""
+
+
+def declared(body: str) -> Declared | None:
+    """What the Mosaic kernel in a ``tpu_custom_call`` body (base64 MLIR bytecode) declares as
+    operands in SMEM and as VMEM scratch; None where the body cannot be read here."""
     try:
         mlir: Any = importlib.import_module("jax._src.interpreters.mlir")
         tpu: Any = importlib.import_module("jax._src.lib").tpu
@@ -505,15 +524,46 @@ def smem_declared(body: str) -> int | None:
             module = ir.Module.parse(base64.b64decode(body))
             passmanager.PassManager.parse("builtin.module(mosaic-serde{serialize=false})").run(module.operation)
             kernels = [op for op in module.body.operations if "scalar_prefetch" in op.attributes]
-            total = 0
-            for op in kernels[:1]:
-                for argument in op.regions[0].blocks[0].arguments:
-                    match = _SMEM_MEMREF.search(str(argument.type))
-                    if match:
-                        elements = 1
-                        for dim in filter(None, match.group(1).split("x")):
-                            elements *= int(dim)
-                        total += elements * max(int(match.group(3)), 8) // 8
-            return total if kernels else None
-    except Exception:  # an unreadable body (another bytecode version): no estimate, not an error
+            if not kernels:
+                return None
+            kernel = kernels[0]
+            arguments = list(kernel.regions[0].blocks[0].arguments)
+            scratch_count = (
+                int(str(kernel.attributes["scratch_operands"]).split(":")[0])
+                if ("scratch_operands" in kernel.attributes)
+                else 0
+            )
+            smem = scratch = 0
+            for position, argument in enumerate(arguments):
+                match = _MEMREF.search(str(argument.type))
+                if match is None:
+                    continue
+                dims = [int(dim) for dim in filter(None, match.group(1).split("x"))]
+                bits = max(int(match.group(3)), 8)
+                if match.group(4) == "smem":
+                    smem += _product(dims) * bits // 8
+                elif position >= len(arguments) - scratch_count:
+                    scratch += _tiled_bytes(dims, bits)
+            return Declared(smem, scratch)
+    except Exception:  # an unreadable body (another bytecode version): no figure, not an error
         return None
+
+
+def _product(dims: list[int]) -> int:
+    total = 1
+    for dim in dims:
+        total *= dim
+    return total
+
+
+def _tiled_bytes(dims: list[int], bits: int) -> int:
+    """Bytes of a VMEM array as libtpu lays it out: the last two dimensions in tiles of
+    (8 x 32/bits, 128) (``f32[40960,128]{1,0:T(8,128)}`` takes 20 MiB)."""
+    if not dims:
+        return max(bits // 8, 4)
+    padded = list(dims)
+    padded[-1] = -(-padded[-1] // 128) * 128
+    if len(padded) >= 2:
+        rows = 8 * max(32 // bits, 1)
+        padded[-2] = -(-padded[-2] // rows) * rows
+    return _product(padded) * bits // 8

@@ -410,6 +410,7 @@ def guarded_environment(
         if value is not None:
             option.parse(value, _run_option(name))
             env[option.env] = value.strip()
+    env[pallas_guard_autoload.EXIT_SUMMARY_ENV] = "1"  # each guarded process prints its TPU memory figures
     if policy is None:
         env[POLICY_ENV] = str(OPTIONS["policy"].from_environment(env) or OPTIONS["policy"].default)
     else:
@@ -567,8 +568,9 @@ def build_parser() -> argparse.ArgumentParser:
             _run_option(name),
             dest=name,
             metavar=name.upper(),
+            # argparse formats help with %: a literal one ("5%") is written %%.
             help=f"{option.help}; accepted: {option.accepted} (default: ${option.env}, else "
-            f"{option.word(option.default)})",
+            f"{option.word(option.default)})".replace("%", "%%"),
         )
     run.add_argument("command", nargs=argparse.REMAINDER, help="the command, after --")
     run.set_defaults(subparser=run)

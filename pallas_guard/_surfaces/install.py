@@ -56,6 +56,8 @@ class Installation:
         self.net_gaps: dict[str, str] = {}
         self.routes_via_mpmd = False
         self.ledger = Ledger()
+        self.summary_at_exit = False
+        """Whether this process prints its TPU memory figures at exit (``pallas-guard run``)."""
         """What the front door and the lowering net share about kernels."""
 
     def is_active(self) -> bool:
@@ -79,6 +81,13 @@ class Installation:
         finder = pallas_guard_autoload.finder()
         for module_name in MODULES:
             finder.register(module_name, self._on_import)
+        if os.environ.get(pallas_guard_autoload.EXIT_SUMMARY_ENV) and not self.summary_at_exit:
+            import atexit
+
+            from pallas_guard._surfaces import report as _report
+
+            self.summary_at_exit = True
+            atexit.register(_report.summary_at_exit)
         if "jax" in sys.modules:  # else the device is applied when Pallas is imported
             from pallas_guard._deciding import device as _device
 
@@ -317,6 +326,7 @@ def install(
     device: str | Sequence[str] | None = None,
     fast_plain: bool | str | None = None,
     require_checks: bool | str | None = None,
+    vmem_headroom: float | str | None = None,
 ) -> None:
     """Install the guard (idempotent). Settings not given keep a value set earlier through the API
     (until ``uninstall()``, which forgets them), else come from the ``PALLAS_GUARD_*`` variables.
@@ -332,6 +342,7 @@ def install(
         "device": device,
         "fast_plain": fast_plain,
         "require_checks": require_checks,
+        "vmem_headroom": vmem_headroom,
     }
     installation.install(_settings.given(given, call="install"))
 

@@ -17,6 +17,42 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True, slots=True)
+class MemoryUse:
+    """What a kernel takes of one memory of one TPU generation, by the TPU's compiler (the
+    ``compile`` check), whether it compiled there or was refused."""
+
+    generation: str
+    """The device setting's name for it: ``"tpu-v5e"``, ``"tpu7x"``, ..."""
+    space: str
+    """``"VMEM"``: the compiler's scoped allocation (each block, double-buffered, and its own
+    scratch), held to the scoped limit (``vmem_limit_bytes``, else the generation's default);
+    ``"VMEM scratch"``: the kernel's ``scratch_shapes`` in VMEM, held to the TensorCore's whole
+    VMEM; ``"SMEM"``: the SMEM operands the kernel declares (an estimate: libtpu reports none)."""
+    used: int
+    """Bytes."""
+    limit: int
+    """Bytes the generation gives it."""
+    compiled: bool
+    """Whether the kernel compiled for this generation (a refused kernel's figure is the refusal's)."""
+
+    @property
+    def share(self) -> float:
+        """``used / limit``: above 1 the compiler refuses the kernel."""
+        return self.used / self.limit if self.limit else float("inf")
+
+    def __str__(self) -> str:
+        return f"{self.space} {size(self.used)} of {size(self.limit)} ({self.share:.0%})"
+
+
+def size(count: int) -> str:
+    """``448.0 KiB``, ``16.0 MiB``, ``8 B``."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if count >= scale:
+            return f"{count / scale:.1f} {unit}"
+    return f"{count} B"
+
+
+@dataclass(frozen=True, slots=True)
 class Decision:
     """One thing the guard did (or chose not to do) with one Pallas kernel."""
 
@@ -56,6 +92,9 @@ class Decision:
     """The one reason sentence every surface prints: ``reason``, and where it was decided, in words."""
     check: str | None = None
     """The check whose finding this is (action ``"found"``), else None."""
+    memory: tuple[MemoryUse, ...] = ()
+    """What the kernel takes of each TPU generation's VMEM and SMEM, where the ``compile`` check
+    compiled it (refused kernels included), tightest first."""
 
     def __repr__(self) -> str:
         how = f" with the {self.interpreter} interpreter" if self.interpreter else ""
@@ -70,7 +109,7 @@ class Decision:
 
 
 # Pickled, and shown, by the name users import: a pickle does not depend on where the class lives.
-Decision.__module__ = "pallas_guard"
+Decision.__module__ = MemoryUse.__module__ = "pallas_guard"
 
 _lock = threading.Lock()
 _records: list[Decision] = []
@@ -98,6 +137,7 @@ def note(
     notes: tuple[str, ...] = (),
     why: str = "",
     check: str | None = None,
+    memory: tuple[MemoryUse, ...] = (),
 ) -> None:
     """Record what a layer did with ``kernel`` (the facts the diagnostics already gathered)."""
     add(
@@ -120,6 +160,7 @@ def note(
             notes=notes,
             why=why,
             check=check,
+            memory=memory,
         )
     )
 
