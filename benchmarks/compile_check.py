@@ -32,7 +32,11 @@ for path in (BENCH_DIR, BENCH_DIR.parent / "tests", BENCH_DIR.parent):
 from _harness import Comparison, Row, Sample, Stopwatch, interleave, table  # noqa: E402
 
 DEVICE = "tpu-v5e"
-FIRST_TARGET = 1.5
+FIRST_TARGET = 1.2
+FIRST_CLOCK = "wall"
+"""The first-call rows' verdict: what a user waits. libtpu compiles in a thread beside the
+interpreted run, which the wall clock shows and the process's CPU time (both threads) cannot; the
+CPU ratio is given beside it."""
 STEADY_TARGET = 1.02
 STEADY_SECONDS = 0.1
 """Each steady sample calls the kernel about this long (at least 5 calls): a call of a small jitted
@@ -137,6 +141,16 @@ def _measure(kernel: Kernel, pairs: int, steady_pairs: int) -> tuple[Comparison,
     return first, said, first_kept, settled
 
 
+def worst(ratios: dict[str, float]) -> str:
+    name = max(ratios, key=lambda k: ratios[k]) if ratios else None
+    return f"worst {ratios[name]:.3f} ({name})" if name else ""
+
+
+def median_row(name: str, ratios: dict[str, float], target: float, note: str) -> Row:
+    median = statistics.median(ratios.values()) if ratios else None
+    return Row(name, median, target, pairs=len(ratios), detail=worst(ratios), note=note)
+
+
 def _unavailable(why: str) -> list[Row]:
     return [
         Row(FIRST_ROW, None, FIRST_TARGET, note=f"not available: {why}"),
@@ -166,6 +180,7 @@ def rows(*, quick: bool = False, pairs: int | None = None) -> list[Row]:
     kernels = [Kernel(case, record) for case, record in recorded() if not quick or case.name in QUICK]
     first: dict[str, float] = {}
     first_kept: dict[str, float] = {}
+    first_cpu: dict[str, float] = {}
     steady: dict[str, float] = {}
     failed: list[str] = []
     unchecked: list[str] = []
@@ -186,21 +201,18 @@ def rows(*, quick: bool = False, pairs: int | None = None) -> list[Row]:
             pallas_guard.uninstall()
         if "compiles for" not in said:
             unchecked.append(f"{kernel.name} ({said})")
-        first[kernel.name] = comparison.ratio("cpu")
-        first_kept[kernel.name] = kept_comparison.ratio("cpu")
+        first[kernel.name] = comparison.ratio(FIRST_CLOCK)
+        first_kept[kernel.name] = kept_comparison.ratio(FIRST_CLOCK)
+        first_cpu[kernel.name] = comparison.ratio("cpu")
         steady[kernel.name] = settled.ratio("cpu")
         details.append(
-            f"{kernel.name} {first[kernel.name]:.2f} ({comparison.median('a') * 1e3:.0f}/"
-            f"{comparison.median('b') * 1e3:.0f} ms)/{steady[kernel.name]:.3f}"
+            f"{kernel.name} {first[kernel.name]:.2f} ({comparison.median('a', FIRST_CLOCK) * 1e3:.0f}/"
+            f"{comparison.median('b', FIRST_CLOCK) * 1e3:.0f} ms)/{steady[kernel.name]:.3f}"
         )
     pallas_guard._vocabulary.settings.reset()
     pallas_guard.clear_decisions()
     if was_installed:
         pallas_guard.install()
-
-    def worst(ratios: dict[str, float]) -> str:
-        name = max(ratios, key=lambda k: ratios[k]) if ratios else None
-        return f"worst {ratios[name]:.3f} ({name})" if name else ""
 
     tail = "".join(
         [
@@ -209,10 +221,6 @@ def rows(*, quick: bool = False, pairs: int | None = None) -> list[Row]:
         ]
     )
     calls = [k.calls for k in kernels if k.calls]
-
-    def median_row(name: str, ratios: dict[str, float], target: float, note: str) -> Row:
-        median = statistics.median(ratios.values()) if ratios else None
-        return Row(name, median, target, pairs=len(ratios), detail=worst(ratios), note=note)
 
     once = (
         f"once per process, not timed: the TPU topology {started:.1f} s, "
@@ -223,13 +231,16 @@ def rows(*, quick: bool = False, pairs: int | None = None) -> list[Row]:
             FIRST_ROW,
             first,
             FIRST_TARGET,
-            f"n = kernels; {once}; per kernel first (with/without)/steady: {', '.join(details)}{tail}",
+            f"n = kernels; the {FIRST_CLOCK} clock (CPU time, both threads: "
+            f"{statistics.median(first_cpu.values()) if first_cpu else float('nan'):.3f}); {once}; "
+            f"per kernel first (with/without)/steady: {', '.join(details)}{tail}",
         ),
         median_row(
             KEPT_ROW,
             first_kept,
             FIRST_TARGET,
-            "n = kernels; as the first call, with the kernel compiled once before, untimed, its verdict kept",
+            f"n = kernels; the {FIRST_CLOCK} clock; as the first call, with the kernel compiled once before, "
+            "untimed, its verdict kept",
         ),
         median_row(
             STEADY_ROW,

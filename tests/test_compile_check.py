@@ -8,6 +8,7 @@ install it is tested.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import jax
@@ -415,3 +416,67 @@ def test_workers_compiling_one_kernel_at_once_share_one_whole_cache_entry(tmp_pa
     assert [entry.suffix for entry in entries] == [".json"], entries  # one entry, no temporary left
     json.loads(entries[0].read_text())
     assert all(note.endswith("(cached: an earlier run compiled it)") for note in round_of(2))
+
+
+def _two_inputs(rows: int, *, constant_second: bool = False) -> Any:
+    def kernel(x_ref, y_ref, o_ref):  # type: ignore[no-untyped-def]
+        o_ref[...] = x_ref[...] + y_ref[...]
+
+    spec = pl.BlockSpec((rows, 1024), lambda i: (i, 0))
+    second = pl.BlockSpec((rows, 1024), lambda i: (0, 0)) if constant_second else spec
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((2 * rows, 1024), jnp.float32),
+        grid=(2,),
+        in_specs=[spec, second],
+        out_specs=spec,
+    )
+
+
+@needs_libtpu
+@pytest.mark.parametrize(("rows", "constant_second"), [(1024, False), (2048, True), (4096, True)])
+def test_a_scoped_vmem_refusal_names_blocks_that_fit_and_they_compile(
+    guard: Any, rows: int, constant_second: bool
+) -> None:
+    """The "To fix" of a scoped VMEM overflow names the blocks that fit, in the kernel's own
+    operands; called with them, libtpu compiles the kernel (an operand whose block never changes is
+    single-buffered by the compiler: the figure is libtpu's, not double the blocks)."""
+    import re
+
+    guard("interpret", checks="compile", device="tpu-v5e")
+    x = jnp.ones((2 * rows, 1024), jnp.float32)
+    with pytest.raises(PallasGuardError) as info:
+        _two_inputs(rows, constant_second=constant_second)(x, x)
+    fix = str(info.value).split("\nTo fix: ")[1]
+    found = re.search(
+        r"blocks that fit: \((\d+), 1024\) instead of \(" + str(rows) + r", 1024\) for input 0, input 1 "
+        r"and output 0",
+        fix,
+    )
+    assert found is not None, fix
+    fitting = int(found.group(1))
+    assert fitting % 8 == 0
+    y = jnp.ones((2 * fitting, 1024), jnp.float32)
+    np.testing.assert_array_equal(_two_inputs(fitting, constant_second=constant_second)(y, y), np.asarray(y) * 2)
+    (use,) = [u for u in pallas_guard.decisions()[-1].memory if u.space == "VMEM"]
+    assert use.compiled and use.share > 0.9  # the largest that fit: little is left
+
+
+@needs_libtpu
+def test_an_unproven_alignment_fix_names_the_kernels_line(guard: Any) -> None:
+    """The compiler names the operation it cannot prove aligned by the kernel's own line (Pallas's
+    MosaicError carries it): the "To fix" says where to put ``pl.multiple_of``."""
+    import inspect
+
+    from tpu_corpus import _lane_window, cases
+
+    guard("interpret", checks="compile", device="tpu-v5e")
+    (case,) = [c for c in cases() if c.name == "align.dynamic_lanes"]
+    with pytest.raises(PallasGuardError) as info:
+        case.build()(*case.inputs())
+    fix = str(info.value).split("\nTo fix: ")[1]
+    lines, first = inspect.getsourcelines(_lane_window)
+    kernel_lines = {first + offset for offset, line in enumerate(lines) if "ref[" in line}
+    found = re.search(r"the compiler points at (.+tpu_corpus\.py):(\d+)\)", fix)
+    assert "`pl.multiple_of(index, 128)`" in fix and found is not None, fix
+    assert int(found.group(2)) in kernel_lines

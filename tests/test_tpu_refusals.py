@@ -97,3 +97,20 @@ def test_an_allocation_listing_is_its_largest_three_by_operand_and_window() -> N
         "f32[2048,2048]); 16.00M for scratch operand." in text
     )
     assert "To fix: the kernel needs 192.00MiB of VMEM, more than tpu-v5e's whole VMEM: shrink the blocks" in text
+
+
+def test_with_the_kernels_blocks_a_vmem_refusal_names_blocks_that_fit_and_single_buffering() -> None:
+    """The blocks the compile check reads from the lowered kernel (here: three of (1024, 1024)
+    float32, as ``vmem.pair_24mib``'s kernel has) give the first dimension that fits the limit,
+    keeping the tiling; an operand whose one buffer frees what is over is named for single
+    buffering."""
+    mib = 1 << 20
+    blocks = [_tpu_compile.Window(name, (1024, 1024), 32, 4 * mib) for name in ("input 0", "input 1", "output 0")]
+    error = RuntimeError(RECORDS["vmem.pair_24mib"]["message"])
+    fix = _diagnostics.refusal_fix(error, target="tpu-v5e", vmem_capacity=128 * mib, windows=blocks)
+    assert fix is not None
+    assert "blocks that fit: (680, 1024) instead of (1024, 1024) for input 0, input 1 and output 0" in fix
+    assert "Buffered(1)" not in fix  # one buffer (4 MiB) frees less than the 8 MiB over
+    bigger = [blocks[0]._replace(bytes=8 * mib, shape=(2048, 1024)), *blocks[1:]]
+    fix = _diagnostics.refusal_fix(error, target="tpu-v5e", vmem_capacity=128 * mib, windows=bigger)
+    assert fix is not None and "`pipeline_mode=pl.Buffered(1)` on input 0's BlockSpec" in fix

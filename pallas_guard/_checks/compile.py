@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from pallas_guard._checks import lowering as _lowering_check
 from pallas_guard._checks import protocol as _checks
 from pallas_guard._deciding import diagnostics as _diagnostics
+from pallas_guard._jax import tracing as jax_tracing
 from pallas_guard._running import tpu_compile as _tpu_compile
 from pallas_guard._vocabulary import settings as _settings
 from pallas_guard._vocabulary.errors import PallasGuardError
@@ -25,6 +26,7 @@ from pallas_guard._vocabulary.record import MemoryUse
 from pallas_guard_autoload import device_list
 
 if TYPE_CHECKING:
+    from pallas_guard._checks.lowering import Target
     from pallas_guard._guard.engine import Run
 
 DEFAULT_GENERATION = "tpu-v5e"
@@ -52,13 +54,30 @@ class Compile(_checks.Check):
         missing = _tpu_compile.available()
         if missing is not None:
             return unchecked(missing)
-        compiled: dict[str, str] = {}  # generation -> its usage
-        refused: dict[str, BaseException] = {}
+        # Inside shard_map: compiled in the program a pod slice of the mesh's shape would run.
+        called_in = jax_tracing.manual_mesh()
+        mesh = _tpu_compile.Mesh(*called_in) if called_in else None
+        compiling = [
+            _tpu_compile.start_compile(run.kernel.build, args, kwargs, generation, mesh=mesh)
+            for generation in _generations(_settings.current("device").value)
+        ]
+        if all(each.ready for each in compiling):  # known already: a refusal never runs the kernel
+            return self.verdict(run, target, [each.outcome() for each in compiling], mesh)
+        # libtpu compiles beside the interpreted run; the engine asks for the verdict after it.
+        return _checks.Prepared(pending=lambda: self.verdict(run, target, [each.outcome() for each in compiling], mesh))
+
+    def verdict(
+        self, run: Run, target: Target, outcomes: list[_tpu_compile.Outcome], mesh: _tpu_compile.Mesh | None
+    ) -> _checks.Prepared:
+        """The compiler's outcomes for each generation as the check's note and figures, or its finding."""
+        __tracebackhide__ = True
+        compiled: dict[str, str] = {}  # generation (and topology) -> its usage
+        refused: dict[str, _tpu_compile.Outcome] = {}
         memory: list[MemoryUse] = []
-        for generation in _generations(_settings.current("device").value):
-            outcome = _tpu_compile.compile_kernel(run.kernel.build, args, kwargs, generation)
+        for outcome in outcomes:
+            label = _label(outcome.generation, mesh)
             if outcome.unchecked is not None:
-                why = f"for {generation}: {outcome.unchecked}"
+                why = f"for {label}: {outcome.unchecked}"
                 note = f"compile: not checked {why}"
                 return _checks.Prepared(
                     _checks.unchecked(self.name, why, kernel=run.kernel.info, call_site=run.call_site, note=note)
@@ -66,27 +85,31 @@ class Compile(_checks.Check):
             figures = memory_use(outcome)
             memory.extend(figures)
             if outcome.error is None:
-                compiled[generation] = usage(figures, cached=outcome.cached)
+                compiled[label] = usage(figures, cached=outcome.cached)
             else:
-                refused[generation] = outcome.error
+                refused[label] = outcome
         memory.sort(key=lambda use: -use.share)
         if not refused:
             _within_headroom(run, tuple(memory))
             note = "compile: compiles for " + "; ".join(f"{g}{use}" for g, use in compiled.items())
             return _checks.Prepared(note, memory=tuple(memory))
-        generation, refusal = next(iter(refused.items()))
+        label, first = next(iter(refused.items()))
+        generation, refusal = first.generation, first.error
+        assert refusal is not None
         source = target.source if generation == target.device else "the device setting"
         if compiled:  # which generations it does compile for: the refusal is this generation's
             source += f"; it compiles for {_and(list(compiled))}"
         if len(refused) > 1:
             source += f"; {_and(list(refused)[1:])} {'refuses' if len(refused) == 2 else 'refuse'} it too"
-        capacity = _capacity(generation)
+        fix = _diagnostics.refusal_fix(
+            refusal, target=generation, vmem_capacity=_capacity(generation), windows=first.windows
+        )
         error = _diagnostics.lowering_refused(
             kernel=run.kernel.info,
             call_site=run.call_site,
-            target=f"{generation} ({source})",
+            target=f"{label} ({source})",
             error=refusal,
-            fix=_diagnostics.refusal_fix(refusal, target=generation, vmem_capacity=capacity),
+            fix=fix,
             source=_settings.stated("checks"),
             check=self.name,
         )
@@ -94,6 +117,14 @@ class Compile(_checks.Check):
         raise _checks.found(
             self.name, finding, kernel=run.kernel.info, call_site=run.call_site, memory=tuple(memory)
         ) from None
+
+
+def _label(generation: str, mesh: _tpu_compile.Mesh | None) -> str:
+    """``tpu-v5e``, or ``tpu-v5e (v5e:2x2, per shard of a mesh x=4)`` inside ``shard_map``."""
+    if mesh is None or mesh.devices == 1:
+        return generation
+    topology = _tpu_compile.topology_for(generation, mesh.devices)
+    return f"{generation} ({topology[0]}, per shard of a mesh {mesh})" if isinstance(topology, tuple) else generation
 
 
 def _generations(setting: str | None) -> list[str]:

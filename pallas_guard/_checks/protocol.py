@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import importlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from pallas_guard._vocabulary import record as _record
@@ -79,9 +79,11 @@ class Check:
 class Prepared:
     """What a check's ``before`` settled: a note for the decision, the memory the kernel takes
     of each TPU generation, and, where it ran the kernel to check it, the interpreter whose outputs
-    are the call's result (eager calls only)."""
+    are the call's result (eager calls only). ``pending``: the check's work goes on beside the run
+    (a compile in a thread); the engine calls it after the run for what the check settles, which
+    may raise the check's finding instead of the run's result."""
 
-    __slots__ = ("memory", "note", "outputs", "settles")
+    __slots__ = ("memory", "note", "outputs", "pending", "settles")
 
     def __init__(
         self,
@@ -90,8 +92,10 @@ class Prepared:
         memory: tuple[_record.MemoryUse, ...] = (),
         outputs: Any = None,
         settles: bool = True,
+        pending: Callable[[], Prepared] | None = None,
     ) -> None:
         self.note, self.memory, self.outputs, self.settles = note, memory, outputs, settles
+        self.pending = pending
 
 
 def in_force(names: Iterable[str]) -> tuple[Check, ...]:

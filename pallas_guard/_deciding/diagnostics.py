@@ -8,7 +8,7 @@ import re
 import sys
 import types
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal, NamedTuple
 
 from pallas_guard._deciding import facts as _facts
@@ -596,6 +596,8 @@ class _Refused(NamedTuple):
     text: str
     chip: str
     vmem_capacity: int | None
+    windows: Sequence[Any] = ()
+    """The kernel's VMEM blocks (``operand``, ``shape``, ``bits``, ``bytes`` of one buffer)."""
 
 
 def _legal_block(refused: _Refused) -> str | None:
@@ -628,11 +630,53 @@ def _scoped_vmem(refused: _Refused) -> str | None:
     scoped = _SCOPED_VMEM.search(refused.text)
     if scoped is None:
         return None
+    needed, limit = _bytes(scoped.group(1)), _bytes(scoped.group(2))
     most = f" up to {_mib(refused.vmem_capacity)}, {refused.chip}'s whole VMEM" if refused.vmem_capacity else ""
-    return (
+    raise_limit = (
         f"the kernel needs {scoped.group(1)}iB of VMEM and {refused.chip} gives a kernel {scoped.group(2)}iB unless it "
-        f"asks for more: pass `vmem_limit_bytes` (in its TPU compiler_params){most}, or {_SHRINK}"
+        f"asks for more: pass `vmem_limit_bytes` (in its TPU compiler_params){most}"
     )
+    if needed > (refused.vmem_capacity or needed):
+        raise_limit = f"the kernel needs {scoped.group(1)}iB of VMEM, more than {refused.chip}'s whole VMEM"
+    smaller = _smaller_blocks(refused.windows, needed, limit)
+    return f"{raise_limit}; or {smaller}" if smaller else f"{raise_limit}, or {_SHRINK}"
+
+
+def _smaller_blocks(windows: Sequence[Any], needed: int, limit: int) -> str | None:
+    """The largest blocks that fit: each block's first dimension cut by the same share (keeping
+    the tiling of a 2-D block), the rest of the kernel's VMEM as it is; and single buffering of
+    one operand where that alone frees enough."""
+    excess = needed - limit
+    if excess <= 0 or not windows:
+        return None
+    buffered = 2 * sum(window.bytes for window in windows)  # at most: each block double-buffered
+    fixed = max(0, needed - buffered)  # what is not blocks (the compiler's own scratch)
+    share = (limit - fixed) / (needed - fixed)
+    cuts: dict[tuple[str, str], list[str]] = {}
+    for window in windows:
+        shape = list(window.shape)
+        if len(shape) < 2 or share <= 0:
+            continue
+        unit = 8 * max(32 // window.bits, 1) if len(shape) == 2 else 1  # a 2-D block's sublane tiling
+        rows = int(shape[0] * share) // unit * unit
+        if rows < unit or rows >= shape[0]:
+            continue
+        key = (", ".join(map(str, shape)), ", ".join(map(str, [rows, *shape[1:]])))
+        cuts.setdefault(key, []).append(window.operand)
+    ways = [f"({cut}) instead of ({now}) for {_listed(operands)}" for (now, cut), operands in cuts.items()]
+    if ways:
+        ways = ["blocks that fit: " + "; ".join(ways)]
+    single = next((w for w in sorted(windows, key=lambda w: -w.bytes) if w.bytes >= excess), None)
+    if single is not None:
+        ways.append(
+            f"`pipeline_mode=pl.Buffered(1)` on {single.operand}'s BlockSpec, if its block index never changes "
+            f"(frees {_mib(single.bytes)}, enough)"
+        )
+    return "; or ".join(ways) or None
+
+
+def _listed(parts: list[str]) -> str:
+    return parts[0] if len(parts) == 1 else f"{', '.join(parts[:-1])} and {parts[-1]}"
 
 
 def _whole_vmem(refused: _Refused) -> str | None:
@@ -701,14 +745,39 @@ _FIXES = (_legal_block, _tiled_block, _scoped_vmem, _whole_vmem, _whole_smem, _c
 """Each refusal whose fix can be named, and how: the first that recognises the text says it."""
 
 
-def refusal_fix(error: BaseException, *, target: str | None = None, vmem_capacity: int | None = None) -> str | None:
+def refusal_fix(
+    error: BaseException,
+    *,
+    target: str | None = None,
+    vmem_capacity: int | None = None,
+    windows: Sequence[Any] = (),
+) -> str | None:
     """A "To fix" line for the refusals whose fix can be named (``_FIXES``): a TPU block shape not
     divisible by its tiling, scoped or whole VMEM or SMEM exhausted (the limit to raise, up to
-    ``vmem_capacity``, the physical VMEM of ``target``'s TensorCore, or the blocks to shrink), a
+    ``vmem_capacity``, the physical VMEM of ``target``'s TensorCore; the largest blocks that fit and
+    the operand to single-buffer, where the kernel's ``windows`` are known; or the blocks to shrink), a
     type the generation cannot load or compute in, an index the compiler cannot prove aligned, a
     core-parallel axis on a one-core chip."""
-    refused = _Refused(str(error), target or "this TPU", vmem_capacity)
-    return next((fix for fix in (rule(refused) for rule in _FIXES) if fix), None)
+    refused = _Refused(str(error), target or "this TPU", vmem_capacity, windows)
+    fix = next((fix for fix in (rule(refused) for rule in _FIXES) if fix), None)
+    line = kernel_line(error)
+    return f"{fix} (the compiler points at {printable(line)})" if fix and line else fix
+
+
+def kernel_line(error: BaseException) -> str | None:
+    """``file:line`` in the kernel that a refusal's traceback names (Pallas's ``MosaicError``
+    carries the kernel's frames, read from the MLIR locations), else None."""
+    import traceback
+
+    try:
+        frames = traceback.extract_tb(error.__traceback__)
+    except Exception:  # a traceback that cannot be read: no line
+        return None
+    for frame in reversed(frames):
+        path = frame.filename.replace(os.sep, "/")
+        if frame.lineno and not any(part in path for part in ("/jax/", "/jaxlib/", "/pallas_guard/", "<")):
+            return f"{frame.filename}:{frame.lineno}"
+    return None
 
 
 def refused_memory(error: BaseException) -> list[tuple[str, int, int]]:

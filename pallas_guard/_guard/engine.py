@@ -302,6 +302,7 @@ class Run:
         outputs = None
         notes = []
         memory: list[MemoryUse] = []
+        pending: list[tuple[_checks.Check, tuple[Hashable, ...], Callable[[], _checks.Prepared]]] = []
         for check in self.checks:  # first: a kernel a check refuses never runs, nor returns a result
             prepared = self._prepare(check, key, args, kwargs)
             if prepared.note:
@@ -309,7 +310,43 @@ class Run:
             memory.extend(prepared.memory)
             if prepared.outputs is not None:
                 outputs = prepared.outputs
+            if prepared.pending is not None:
+                pending.append((check, self._check_key(check, key), prepared.pending))
         self.check_notes, self.memory = tuple(notes), tuple(memory)
+        if not pending:
+            return self._call(key, args, kwargs, outputs)
+        try:
+            out = self._call(key, args, kwargs, outputs)
+        except _NEVER_RETRIED:
+            raise
+        except Exception as error:
+            self._finish(pending, failure=error)  # the check's finding, where it has one, wins
+            raise
+        self._finish(pending, failure=None)
+        return out
+
+    def _finish(
+        self,
+        pending: list[tuple[_checks.Check, tuple[Hashable, ...], Callable[[], _checks.Prepared]]],
+        *,
+        failure: BaseException | None,
+    ) -> None:
+        """What the checks that worked beside the run settle: their notes and figures added to the
+        decision, or their finding raised (from the run's own failure, where it failed)."""
+        __tracebackhide__ = True
+        for check, check_key, finish in pending:
+            try:
+                prepared = finish()
+            except PallasGuardError as finding:
+                if failure is None:
+                    raise
+                raise finding from failure
+            self.settle(check_key, (check.name, ((prepared.note,) if prepared.note else ()) + prepared.memory))
+            if prepared.note:
+                self.ledger.annotate(self.kernel.info, self.call_site, prepared.note, memory=prepared.memory)
+
+    def _call(self, key: tuple[Hashable, ...], args: tuple[Any, ...], kwargs: dict[str, Any], outputs: Any) -> Any:
+        __tracebackhide__ = True
         known = self.settled(key)
         if known is not None and outputs is not None:
             # A check ran the kernel in the interpreter settled on: that run is the call's result.
@@ -328,23 +365,25 @@ class Run:
         """What ``check`` needs before the run, once per kernel identity and shapes (settled under
         a key of its own; a finding is raised at every call, nothing is settled for it)."""
         __tracebackhide__ = True
-        # The device setting picks the target a check lowers or compiles for, require_checks
-        # whether a check that cannot run fails the call, the headroom what compiles too tightly:
-        # all part of what it settles.
-        check_key = (
-            *key,
-            check.name,
-            *(_settings.current(name).value for name in ("device", "require_checks", "vmem_headroom")),
-        )
+        check_key = self._check_key(check, key)
         known = self.settled(check_key)
         if known is not None:
             notes = [entry for entry in known[1] if isinstance(entry, str)]
             memory = tuple(entry for entry in known[1] if isinstance(entry, MemoryUse))
             return _checks.Prepared(notes[0] if notes else None, memory=memory)
         prepared = check.before(self, args, kwargs) or _checks.Prepared()
-        if prepared.settles:
+        if prepared.settles and prepared.pending is None:
             self.settle(check_key, (check.name, ((prepared.note,) if prepared.note else ()) + prepared.memory))
         return prepared
+
+    @staticmethod
+    def _check_key(check: _checks.Check, key: tuple[Hashable, ...]) -> tuple[Hashable, ...]:
+        # The device setting picks the target a check lowers or compiles for, require_checks
+        # whether a check that cannot run fails the call, the headroom what compiles too tightly:
+        # all part of what it settles.
+        # And the mesh a shard_map maps the kernel over: a compile is for the program it is in.
+        settings = ("device", "require_checks", "vmem_headroom")
+        return (*key, check.name, *(_settings.current(name).value for name in settings), jax_tracing.manual_mesh())
 
     def settled(self, key: tuple[Hashable, ...]) -> Settled | None:
         return self.ledger.settled(key) if key[0] is not None else self.kernel.settled.get(key)

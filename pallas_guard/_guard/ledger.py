@@ -101,17 +101,21 @@ class Ledger:
             if len(self._left) < _MAX_ENTRIES:
                 self._left[kernel_key(kernel)] = Left(tried, notes, memory)
 
-    def annotate(self, kernel: KernelInfo, call_site: CallSite, note: str) -> None:
-        """Add ``note`` to what the net will record of a kernel left to it, or else to the
-        decision already recorded (a note learned after the front door committed)."""
+    def annotate(
+        self, kernel: KernelInfo, call_site: CallSite, note: str, *, memory: tuple[MemoryUse, ...] = ()
+    ) -> None:
+        """Add ``note`` (and ``memory``, the figures it states) to what the net will record of a
+        kernel left to it, or else to the decision already recorded (learned after the front door
+        committed: a check that could not apply at lowering, a compile that ran beside the kernel)."""
         with self._lock:
             left = self._left.get(kernel_key(kernel))
             if left is not None:
-                self._left[kernel_key(kernel)] = left._replace(notes=tuple(dict.fromkeys((*left.notes, note))))
+                notes = tuple(dict.fromkeys((*left.notes, note)))
+                self._left[kernel_key(kernel)] = left._replace(notes=notes, memory=memory or left.memory)
                 return
         from pallas_guard._vocabulary import record as _record
 
-        _record.annotate(kernel, call_site, note)
+        _record.annotate(kernel, call_site, note, memory=memory)
 
     def left_to_net(self, kernel: KernelInfo) -> Left:
         """What was tried, notes and memory figures for a kernel the front door left to the net;

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import sys
 import threading
@@ -133,3 +134,47 @@ def fast_dispatch_module() -> types.ModuleType | None:
         )
         return None
     return module
+
+
+def manual_mesh() -> tuple[tuple[str, ...], tuple[int, ...]] | None:
+    """The axis names and sizes of the mesh a ``shard_map`` being traced here maps over (its
+    manual axes); None outside one."""
+    try:
+        import jax
+
+        mesh = jax.sharding.get_abstract_mesh()
+    except Exception:  # a jax without abstract meshes: no shard_map is known here
+        return None
+    if not getattr(mesh, "manual_axes", ()):
+        return None
+    return tuple(mesh.axis_names), tuple(mesh.axis_sizes)
+
+
+def per_shard(function: Callable[..., Any], mesh: Any) -> Callable[..., Any]:
+    """``function`` inside ``shard_map`` over ``mesh``, each device given the whole operands (the
+    per-shard ones a kernel sees) and returning its own outputs unchecked for replication."""
+    import jax
+
+    jax_any: Any = jax
+    spec = jax_any.sharding.PartitionSpec()
+    shard_map = getattr(jax_any, "shard_map", None)
+    if shard_map is not None:
+        mapped: Callable[..., Any] = shard_map(function, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)
+        return mapped
+    experimental: Any = importlib.import_module("jax.experimental.shard_map")
+    mapped = experimental.shard_map(function, mesh=mesh, in_specs=spec, out_specs=spec, check_rep=False)
+    return mapped
+
+
+def in_mesh(mesh: Any) -> contextlib.AbstractContextManager[Any]:
+    """``mesh`` as the context's abstract mesh: a program for another mesh (a TPU topology's)
+    lowered while a ``shard_map`` over this host's devices is being traced."""
+    import jax
+
+    # Inside a trace only the abstract mesh may change (jax.set_mesh is refused under jit).
+    scope = getattr(jax.sharding, "use_abstract_mesh", None)
+    abstract = getattr(mesh, "abstract_mesh", None)
+    if scope is None or abstract is None:
+        return contextlib.nullcontext()
+    entered: contextlib.AbstractContextManager[Any] = scope(abstract)
+    return entered

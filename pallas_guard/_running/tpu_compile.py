@@ -109,6 +109,8 @@ class Outcome(NamedTuple):
     """Why the compile could not run here (not a verdict on the kernel); None where it ran."""
     cached: bool = False
     """Read from the verdicts cache (``verdicts_dir``): compiled by an earlier run, not this one."""
+    windows: tuple[Window, ...] = ()
+    """Where libtpu refused the kernel: its VMEM blocks (what a "To fix" can shrink)."""
 
 
 # --- availability ---------------------------------------------------------------------------------
@@ -216,6 +218,70 @@ def _make_device(generation: str) -> Any:
         return f"the TPU topology {spec.topology} was refused: {type(error).__name__}: {lines[0] if lines else ''}"
 
 
+_CHIPS_2D = {1: (1, 1), 2: (2, 1), 4: (2, 2), 8: (2, 4), 16: (4, 4), 32: (4, 8), 64: (8, 8)}
+_CHIPS_3D = {1: (1, 1, 1), 2: (2, 1, 1), 4: (2, 2, 1), 8: (2, 2, 2), 16: (2, 2, 4), 32: (2, 4, 4), 64: (4, 4, 4)}
+_DEVICES_PER_CHIP = {"tpu7x": 2}
+"""JAX presents each of a tpu7x chip's two TensorCores as a device (measured: ``tpu7x:2x2x1`` has 8)."""
+_meshes: dict[tuple[str, int], Any] = {}
+
+
+def topology_for(generation: str, devices: int) -> tuple[str, tuple[int, int, int]] | str:
+    """The deviceless topology of ``generation`` with ``devices`` devices (``v5e:2x2`` for 4 on a
+    v5e) and its chips per host (a host has at most 2x4 chips of a 2-D generation, 2x2x1 of a 3-D
+    one); else why there is none."""
+    spec = GENERATIONS.get(generation)
+    if spec is None:
+        return f"no TPU topology for {generation!r} (known: {', '.join(GENERATIONS)})"
+    per_chip = _DEVICES_PER_CHIP.get(generation, 1)
+    three_d = len(spec.topology.split(":")[1].split("x")) == 3
+    shapes = _CHIPS_3D if three_d else _CHIPS_2D
+    chips = devices // per_chip
+    if devices % per_chip or chips not in shapes:
+        counts = ", ".join(str(count * per_chip) for count in shapes)
+        return f"a mesh of {devices} devices maps onto no {generation} topology (it has {counts} devices)"
+    shape = shapes[chips]
+    name = f"{spec.topology.split(':')[0]}:{'x'.join(map(str, shape))}"
+    host = (2, 2, 1) if three_d else (2, 4, 1)
+    padded = (*shape, 1, 1)[:3]
+    return name, (min(padded[0], host[0]), min(padded[1], host[1]), min(padded[2], host[2]))
+
+
+def topology_devices(generation: str, devices: int) -> Any:
+    """``devices`` compile-only devices of a deviceless topology of ``generation`` (a list), or a
+    one-line reason (a str); made once per process, generation and count."""
+    found = topology_for(generation, devices)
+    if isinstance(found, str):
+        return found
+    with _lock:
+        if (generation, devices) not in _meshes:
+            _meshes[generation, devices] = _make_topology(generation, *found)
+        return _meshes[generation, devices]
+
+
+def _make_topology(generation: str, name: str, bounds: tuple[int, int, int]) -> Any:
+    missing = available()
+    if missing is not None:
+        return missing
+    from jax.experimental import topologies
+
+    spec = GENERATIONS[generation]
+    try:
+        with _deviceless_start(spec):
+            topology = topologies.get_topology_desc(
+                platform="tpu",
+                topology_name=name,
+                chip_config_name=spec.chip_config,
+                chips_per_host_bounds=bounds,
+                num_slices=1,
+            )
+        return list(topology.devices)
+    except (MemoryError, RecursionError):
+        raise
+    except Exception as error:
+        lines = str(error).strip().splitlines()
+        return f"the TPU topology {name} was refused: {type(error).__name__}: {lines[0] if lines else ''}"
+
+
 @contextlib.contextmanager
 def _deviceless_start(spec: Generation) -> Iterator[None]:
     """libtpu, started on a host without a TPU, prints warnings (from C++, on fd 2) unless the
@@ -266,65 +332,183 @@ _IN_A_MESH = "Received incompatible devices for jitted computation"
 force (``jax.set_mesh``): where the check is, not the kernel."""
 
 
+class Mesh(NamedTuple):
+    """The mesh a kernel is called in (inside ``shard_map``): its axis names and sizes."""
+
+    names: tuple[str, ...]
+    sizes: tuple[int, ...]
+
+    @property
+    def devices(self) -> int:
+        count = 1
+        for size in self.sizes:
+            count *= size
+        return count
+
+    def __str__(self) -> str:
+        return " x ".join(f"{name}={size}" for name, size in zip(self.names, self.sizes, strict=True))
+
+
 def compile_kernel(
-    build: Callable[[], Callable[..., Any]], args: tuple[Any, ...], kwargs: dict[str, Any], generation: str
+    build: Callable[[], Callable[..., Any]],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    generation: str,
+    *,
+    mesh: Mesh | None = None,
 ) -> Outcome:
     """Lower and compile what ``build()`` returns (the user's callable, built without ``interpret=``),
     called with the shapes and dtypes of ``args``/``kwargs`` (arrays, tracers, ``ShapeDtypeStruct``)
-    placed on ``generation``'s topology device, with libtpu's compiler."""
-    device = topology_device(generation)
+    placed on ``generation``'s topology device, with libtpu's compiler; inside ``shard_map`` over a
+    ``mesh`` of as many devices of that generation, where the kernel is called in one."""
+    return start_compile(build, args, kwargs, generation, mesh=mesh).outcome()
+
+
+class Compiling:
+    """A verdict on its way: known at once (lowering refused, kept on disk or refused earlier in
+    this process), or libtpu compiling in a thread of its own (``ready`` False)."""
+
+    def __init__(self, outcome: Callable[[], Outcome], *, ready: bool) -> None:
+        self._outcome, self.ready = outcome, ready
+        self._lock = threading.Lock()
+        self._known: Outcome | None = None
+
+    def outcome(self) -> Outcome:
+        """The verdict, waiting for the compile where it runs."""
+        with self._lock:
+            if self._known is None:
+                self._known = self._outcome()
+            return self._known
+
+
+def start_compile(
+    build: Callable[[], Callable[..., Any]],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    generation: str,
+    *,
+    mesh: Mesh | None = None,
+) -> Compiling:
+    """``compile_kernel``, with libtpu's compile started in a thread and left to run beside the
+    caller (libtpu compiles in C++, without the GIL): JAX's lowering for the TPU runs here, now."""
     spec = GENERATIONS.get(generation)
     smem_limit = spec.smem_capacity if spec else None
-    if isinstance(device, str):
-        return Outcome(generation, None, smem_limit=smem_limit, unchecked=device)
+
+    def known(outcome: Outcome) -> Compiling:
+        return Compiling(lambda: outcome, ready=True)
+
+    placed = _on_the_topology(build, generation, mesh, bool(kwargs))
+    if isinstance(placed, str):
+        return known(Outcome(generation, None, smem_limit=smem_limit, unchecked=placed))
+    function, sharding, device = placed
     import jax
 
-    on_the_tpu = jax.sharding.SingleDeviceSharding(device)
-    avals, kwavals = _placed((args, kwargs), on_the_tpu)
+    mesh_scope = (
+        jax_tracing.in_mesh(sharding.mesh) if mesh is not None and mesh.devices > 1 else contextlib.nullcontext()
+    )
+
+    avals, kwavals = _placed((args, kwargs), sharding)
     start = time.perf_counter()
     try:
         # The topology device's own kind and cores: Pallas's TPU lowering (1-D blocks, `sign`) and
         # host code (`get_tpu_info()`) ask the abstract device, else this CPU. The outputs are
         # placed there too: a kernel without array inputs would otherwise compile for the CPU.
-        with _device.presented(generation, like=device), jax_tracing.retrace_logs_muted():
-            lowered = jax.jit(build(), out_shardings=on_the_tpu).lower(*avals, **kwavals)
+        with _device.presented(generation, like=device), jax_tracing.retrace_logs_muted(), mesh_scope:
+            lowered = jax.jit(function, out_shardings=sharding).lower(*avals, **kwavals)
     except (MemoryError, RecursionError):
         raise
     except Exception as error:
         seconds = time.perf_counter() - start
         message = first_line(error)
         if any(words in message for words in _NOT_THE_KERNELS):
-            return Outcome(generation, None, smem_limit=smem_limit, seconds=seconds, unchecked=message)
+            return known(Outcome(generation, None, smem_limit=smem_limit, seconds=seconds, unchecked=message))
         if _IN_A_MESH in message:
             why = "called under a mesh of this host's devices (jax.set_mesh), where the check cannot place it on a TPU"
-            return Outcome(generation, None, smem_limit=smem_limit, seconds=seconds, unchecked=why)
-        return Outcome(generation, "lower", error, message, smem_limit=smem_limit, seconds=seconds)
-    return _compiled(lowered, generation, start=start, smem_limit=smem_limit)
+            return known(Outcome(generation, None, smem_limit=smem_limit, seconds=seconds, unchecked=why))
+        return known(Outcome(generation, "lower", error, message, smem_limit=smem_limit, seconds=seconds))
+    return _compiling(lowered, generation, start=start, smem_limit=smem_limit)
 
 
-def _compiled(lowered: Any, generation: str, *, start: float, smem_limit: int | None) -> Outcome:
+def _on_the_topology(
+    build: Callable[[], Callable[..., Any]], generation: str, mesh: Mesh | None, keywords: bool
+) -> tuple[Callable[..., Any], Any, Any] | str:
+    """(the kernel to lower, the sharding of its operands and outputs, a device of the topology):
+    on one device of ``generation``'s topology; inside ``shard_map`` over a mesh of the topology's
+    devices where the kernel is called in a ``mesh`` (each device given the per-shard operands the
+    kernel sees); or why not."""
+    import jax
+
+    if mesh is None or mesh.devices == 1:
+        device = topology_device(generation)
+        if isinstance(device, str):
+            return device
+        return build(), jax.sharding.SingleDeviceSharding(device), device
+    if keywords:
+        return "a kernel inside shard_map called with keyword arguments is not compiled for a topology"
+    devices = topology_devices(generation, mesh.devices)
+    if isinstance(devices, str):
+        return devices
+    import numpy as np
+
+    topology_mesh = jax.sharding.Mesh(np.array(devices, dtype=object).reshape(mesh.sizes), mesh.names)
+    everywhere: Any = jax.sharding.PartitionSpec
+    replicated = jax.sharding.NamedSharding(topology_mesh, everywhere())
+    return jax_tracing.per_shard(build(), topology_mesh), replicated, devices[0]
+
+
+def _compiling(lowered: Any, generation: str, *, start: float, smem_limit: int | None) -> Compiling:
     """The compiler's verdict on ``lowered``: kept on disk where it compiled, in the process where
-    it was refused, else compiled now."""
+    it was refused, else compiled now, in a thread."""
     cache = _verdict_file(lowered, generation)
     refused = _refused.get(cache) if cache is not None else None
     if refused is not None:  # refused in this process: the same input to the same compiler
-        return refused._replace(seconds=time.perf_counter() - start)
-    known = _read_verdict(cache)
-    if known is not None:
-        usage = known
-    else:
+        seconds = time.perf_counter() - start
+        return Compiling(lambda: refused._replace(seconds=seconds), ready=True)
+    kept = _read_verdict(cache)
+    if kept is not None:
+        seconds = time.perf_counter() - start
+        return Compiling(lambda: _compiled(generation, kept, smem_limit, seconds, cached=True), ready=True)
+    done: list[Any] = []  # the compiled executable, or the refusal
+
+    def compile_it() -> None:
         try:
-            compiled = lowered.compile()
-        except (MemoryError, RecursionError):
-            raise
-        except Exception as error:
-            seconds = time.perf_counter() - start
-            outcome = Outcome(generation, "compile", error, first_line(error), smem_limit=smem_limit, seconds=seconds)
+            done.append(lowered.compile())
+        except BaseException as error:  # handed to the caller as raised
+            done.append(error)
+
+    worker = threading.Thread(target=compile_it, name="pallas_guard TPU compile", daemon=True)
+    worker.start()
+
+    def outcome() -> Outcome:
+        worker.join()
+        seconds = time.perf_counter() - start
+        result = done[0]
+        if isinstance(result, (MemoryError, RecursionError)) or (
+            isinstance(result, BaseException) and not isinstance(result, Exception)
+        ):
+            raise result
+        if isinstance(result, Exception):
+            blocks = tuple(windows(lowered) or ())
+            refusal = Outcome(
+                generation,
+                "compile",
+                result,
+                first_line(result),
+                smem_limit=smem_limit,
+                seconds=seconds,
+                windows=blocks,
+            )
             if cache is not None:
-                _refused[cache] = outcome
-            return outcome
-        usage = memory(compiled.as_text() or "", generation)
+                _refused[cache] = refusal
+            return refusal
+        usage = memory(result.as_text() or "", generation)
         _write_verdict(cache, usage)
+        return _compiled(generation, usage, smem_limit, seconds, cached=False)
+
+    return Compiling(outcome, ready=False)
+
+
+def _compiled(generation: str, usage: Memory, smem_limit: int | None, seconds: float, *, cached: bool) -> Outcome:
     return Outcome(
         generation,
         None,
@@ -334,8 +518,8 @@ def _compiled(lowered: Any, generation: str, *, start: float, smem_limit: int | 
         smem_limit=smem_limit,
         vmem_scratch=usage.vmem_scratch,
         kernels=usage.kernels,
-        seconds=time.perf_counter() - start,
-        cached=known is not None,
+        seconds=seconds,
+        cached=cached,
     )
 
 
@@ -498,7 +682,7 @@ def _space_size(configs: Any) -> int | None:
     return None
 
 
-_MEMREF = re.compile(r"memref<((?:\d+x)*)([a-z]+)(\d+)\b[^>]*#tpu\.memory_space<(smem|vmem)>>")
+_MEMREF = re.compile(r"memref<((?:\d+x)*)([a-z]+)(\d+)\b[^>]*#tpu\.memory_space<(\w+)>>")
 
 
 class Declared(NamedTuple):
@@ -511,6 +695,79 @@ class Declared(NamedTuple):
 def declared(body: str) -> Declared | None:
     """What the Mosaic kernel in a ``tpu_custom_call`` body (base64 MLIR bytecode) declares as
     operands in SMEM and as VMEM scratch; None where the body cannot be read here."""
+    operands = _operands(body)
+    if operands is None:
+        return None
+    smem = scratch = 0
+    for operand in operands:
+        if operand.space == "smem":
+            smem += _product(list(operand.shape)) * operand.bits // 8
+        elif operand.scratch:
+            scratch += _tiled_bytes(list(operand.shape), operand.bits)
+    return Declared(smem, scratch)
+
+
+class Window(NamedTuple):
+    """A block the kernel's pipeline keeps in VMEM (double-buffered unless told otherwise)."""
+
+    operand: str
+    """``input 0``, ``output 1`` (``operand 2`` where inputs and outputs cannot be told apart)."""
+    shape: tuple[int, ...]
+    bits: int
+    bytes: int
+    """One buffer, padded to libtpu's tiling."""
+
+
+def windows(lowered: Any) -> list[Window] | None:
+    """The VMEM blocks of the one Mosaic kernel of a lowered program (``jax.jit(...).lower(...)``),
+    inputs then outputs; None where the program has another number of kernels or cannot be read."""
+    try:
+        mlir_lib: Any = importlib.import_module("jax._src.lib.mlir")
+        module = lowered.compiler_ir("stablehlo")
+        calls = [
+            op
+            for op in _operations(module.operation)
+            if op.name == "stablehlo.custom_call" and "tpu_custom_call" in str(op.attributes["call_target_name"])
+        ]
+        if len(calls) != 1:
+            return None
+        config = json.loads(mlir_lib.ir.StringAttr(calls[0].attributes["backend_config"]).value)
+        operands = _operands(config["custom_call_config"]["body"])
+        if operands is None:
+            return None
+        blocks = [o for o in operands if not o.scratch and o.space == "vmem"]
+        outputs = len(calls[0].results)
+        inputs = len(blocks) - outputs
+        both = inputs >= 0 and len([o for o in operands if not o.scratch and o.space != "smem"]) == len(blocks)
+        found = []
+        for position, block in enumerate(blocks):
+            label = f"operand {position}"
+            if both:
+                label = f"input {position}" if position < inputs else f"output {position - inputs}"
+            size = _tiled_bytes(list(block.shape), block.bits)
+            found.append(Window(label, block.shape, block.bits, size))
+        return found
+    except Exception:  # a program that cannot be read here: no windows, not an error
+        return None
+
+
+def _operations(operation: Any) -> Iterator[Any]:
+    for region in operation.regions:
+        for block in region.blocks:
+            for inner in block.operations:
+                yield inner
+                yield from _operations(inner)
+
+
+class _Operand(NamedTuple):
+    shape: tuple[int, ...]
+    bits: int
+    space: str
+    scratch: bool
+
+
+def _operands(body: str) -> list[_Operand] | None:
+    """The memref operands of the Mosaic kernel in a ``tpu_custom_call`` body, in order."""
     try:
         mlir: Any = importlib.import_module("jax._src.interpreters.mlir")
         tpu: Any = importlib.import_module("jax._src.lib").tpu
@@ -533,18 +790,15 @@ def declared(body: str) -> Declared | None:
                 if ("scratch_operands" in kernel.attributes)
                 else 0
             )
-            smem = scratch = 0
+            operands = []
             for position, argument in enumerate(arguments):
                 match = _MEMREF.search(str(argument.type))
                 if match is None:
                     continue
-                dims = [int(dim) for dim in filter(None, match.group(1).split("x"))]
+                dims = tuple(int(dim) for dim in filter(None, match.group(1).split("x")))
                 bits = max(int(match.group(3)), 8)
-                if match.group(4) == "smem":
-                    smem += _product(dims) * bits // 8
-                elif position >= len(arguments) - scratch_count:
-                    scratch += _tiled_bytes(dims, bits)
-            return Declared(smem, scratch)
+                operands.append(_Operand(dims, bits, match.group(4), position >= len(arguments) - scratch_count))
+            return operands
     except Exception:  # an unreadable body (another bytecode version): no figure, not an error
         return None
 

@@ -180,10 +180,11 @@ def collecting_notes(into: list[str]) -> Iterator[None]:
         _collecting.notes = previous
 
 
-def annotate(kernel: KernelInfo, called_at: CallSite, note_text: str) -> None:
+def annotate(kernel: KernelInfo, called_at: CallSite, note_text: str, *, memory: tuple[MemoryUse, ...] = ()) -> None:
     """Add ``note_text`` to the latest decision about ``kernel`` called at ``called_at`` (a note a
     layer learns after it recorded the decision, as when a check cannot be applied at lowering),
-    or to the notes being collected for a decision not yet recorded."""
+    or to the notes being collected for a decision not yet recorded; ``memory``, where given,
+    becomes that decision's figures."""
     import dataclasses
 
     collected = getattr(_collecting, "notes", None)
@@ -195,8 +196,8 @@ def annotate(kernel: KernelInfo, called_at: CallSite, note_text: str) -> None:
         for position in range(len(_records) - 1, -1, -1):
             decision = _records[position]
             if decision.kernel == kernel.name and decision.called_at == called_at.user:
-                if note_text not in decision.notes:
-                    _records[position] = dataclasses.replace(decision, notes=(*decision.notes, note_text))
+                notes = decision.notes if note_text in decision.notes else (*decision.notes, note_text)
+                _records[position] = dataclasses.replace(decision, notes=notes, memory=memory or decision.memory)
                 return
 
 
