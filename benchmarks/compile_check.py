@@ -43,6 +43,7 @@ STEADY_SECONDS = 0.1
 kernel takes 0.02-1 ms, too short to time alone on a shared machine."""
 FIRST_ROW = "4g. compile check: first call, median over the kernels, with vs without"
 KEPT_ROW = "4g. compile check: first call, its compile kept on disk by an earlier run, with vs without"
+EAGER_ROW = "4g. compile check: first call eager (outside jax.jit), median over the kernels, with vs without"
 STEADY_ROW = "4g. compile check: steady (the same jitted kernel called again, settled), median over the kernels"
 QUICK = frozenset(
     {"tiling.f32_8x128", "dtype.f32_add", "matmul.f32", "matmul.revisited_output", "index.prefetch_gather"}
@@ -65,9 +66,10 @@ class Kernel:
         self.jitted: dict[str, Any] = {}
         self.calls = 0
 
-    def first(self, checks: str, kept: str | None = None) -> Sample:
+    def first(self, checks: str, kept: str | None = None, *, eager: bool = False) -> Sample:
         """``kept``: the directory of compiles kept on disk (``XDG_CACHE_HOME``) an earlier run
-        filled; None: a new, empty one, so that libtpu compiles the kernel."""
+        filled; None: a new, empty one, so that libtpu compiles the kernel. ``eager``: the kernel
+        called outside ``jax.jit``, where its compile runs beside the whole interpreted run."""
         import jax
 
         import pallas_guard
@@ -76,13 +78,14 @@ class Kernel:
         jax.clear_caches()
         pallas_guard.uninstall()  # forgets the settled choices, lowerings and compiles
         pallas_guard.install("interpret", checks=checks, max_steps=None, device=DEVICE)
-        function = jax.jit(self.case.build())
+        function = self.case.build() if eager else jax.jit(self.case.build())
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             with Stopwatch() as watch:
                 out = jax.block_until_ready(function(*self.inputs))
         self.check(out)
-        self.jitted[checks] = function  # traced under ``checks``: what the steady calls call
+        if not eager:
+            self.jitted[checks] = function  # traced under ``checks``: what the steady calls call
         return watch.sample
 
     def steady(self, checks: str) -> Sample:
@@ -115,7 +118,9 @@ def _compiled() -> str | None:
     return said[-1] if said else None
 
 
-def _measure(kernel: Kernel, pairs: int, steady_pairs: int) -> tuple[Comparison, str, Comparison, Comparison]:
+def _measure(
+    kernel: Kernel, pairs: int, steady_pairs: int
+) -> tuple[Comparison, str, Comparison, Comparison, Comparison]:
     """First calls (libtpu compiles), first calls whose compile an earlier run kept, steady calls;
     and what the check said."""
     import pallas_guard
@@ -130,6 +135,9 @@ def _measure(kernel: Kernel, pairs: int, steady_pairs: int) -> tuple[Comparison,
         first_kept = interleave(
             lambda: kernel.first("compile", kept), lambda: kernel.first("none"), pairs=pairs, warmup=0
         )
+        eager = interleave(
+            lambda: kernel.first("compile", eager=True), lambda: kernel.first("none", eager=True), pairs=pairs, warmup=0
+        )
         settled = interleave(
             lambda: kernel.steady("compile"), lambda: kernel.steady("none"), pairs=steady_pairs, warmup=1
         )
@@ -138,7 +146,7 @@ def _measure(kernel: Kernel, pairs: int, steady_pairs: int) -> tuple[Comparison,
             os.environ.pop("XDG_CACHE_HOME", None)
         else:
             os.environ["XDG_CACHE_HOME"] = cache_home
-    return first, said, first_kept, settled
+    return first, said, first_kept, eager, settled
 
 
 def worst(ratios: dict[str, float]) -> str:
@@ -155,6 +163,7 @@ def _unavailable(why: str) -> list[Row]:
     return [
         Row(FIRST_ROW, None, FIRST_TARGET, note=f"not available: {why}"),
         Row(KEPT_ROW, None, FIRST_TARGET, note=f"not available: {why}"),
+        Row(EAGER_ROW, None, FIRST_TARGET, note=f"not available: {why}"),
         Row(STEADY_ROW, None, STEADY_TARGET, note=f"not available: {why}"),
     ]
 
@@ -181,6 +190,7 @@ def rows(*, quick: bool = False, pairs: int | None = None) -> list[Row]:
     first: dict[str, float] = {}
     first_kept: dict[str, float] = {}
     first_cpu: dict[str, float] = {}
+    first_eager: dict[str, float] = {}
     steady: dict[str, float] = {}
     failed: list[str] = []
     unchecked: list[str] = []
@@ -192,7 +202,7 @@ def rows(*, quick: bool = False, pairs: int | None = None) -> list[Row]:
     for kernel in kernels:
         sys.stderr.write(f"  4g. {kernel.name}\n")
         try:
-            comparison, said, kept_comparison, settled = _measure(kernel, pairs, steady_pairs)
+            comparison, said, kept_comparison, eager_comparison, settled = _measure(kernel, pairs, steady_pairs)
         except Exception as error:  # one kernel failing must not hide the others
             lines = str(error).strip().splitlines()
             failed.append(f"{kernel.name}: {type(error).__name__}: {lines[0][:120] if lines else ''}")
@@ -204,6 +214,7 @@ def rows(*, quick: bool = False, pairs: int | None = None) -> list[Row]:
         first[kernel.name] = comparison.ratio(FIRST_CLOCK)
         first_kept[kernel.name] = kept_comparison.ratio(FIRST_CLOCK)
         first_cpu[kernel.name] = comparison.ratio("cpu")
+        first_eager[kernel.name] = eager_comparison.ratio(FIRST_CLOCK)
         steady[kernel.name] = settled.ratio("cpu")
         details.append(
             f"{kernel.name} {first[kernel.name]:.2f} ({comparison.median('a', FIRST_CLOCK) * 1e3:.0f}/"
@@ -241,6 +252,13 @@ def rows(*, quick: bool = False, pairs: int | None = None) -> list[Row]:
             FIRST_TARGET,
             f"n = kernels; the {FIRST_CLOCK} clock; as the first call, with the kernel compiled once before, "
             "untimed, its verdict kept",
+        ),
+        median_row(
+            EAGER_ROW,
+            first_eager,
+            FIRST_TARGET,
+            f"n = kernels; the {FIRST_CLOCK} clock; as the first call, the kernel called outside jax.jit: libtpu "
+            "compiles beside the whole interpreted run",
         ),
         median_row(
             STEADY_ROW,
