@@ -539,8 +539,12 @@ def tight_fix(space: str, generation: str, *, vmem_capacity: int | None) -> str:
     """What frees a VMEM limit the kernel nearly fills (the refusal's fix, before the refusal)."""
     if space == "VMEM scratch":
         return f"shrink the kernel's VMEM scratch (its scratch_shapes), held to {generation}'s whole VMEM"
-    most = f" up to {_mib(vmem_capacity)}, {generation}'s whole VMEM" if vmem_capacity else ""
-    return f"pass `vmem_limit_bytes` (in its TPU compiler_params){most}, or {_SHRINK}"
+    return f"{_raise_limit(generation, vmem_capacity)}, or {_SHRINK}"
+
+
+def _raise_limit(chip: str, vmem_capacity: int | None) -> str:
+    most = f" up to {_mib(vmem_capacity)}, {chip}'s whole VMEM" if vmem_capacity else ""
+    return f"pass `vmem_limit_bytes` (in its TPU compiler_params){most}"
 
 
 _REFUSAL_LINES = 8
@@ -631,10 +635,9 @@ def _scoped_vmem(refused: _Refused) -> str | None:
     if scoped is None:
         return None
     needed, limit = _bytes(scoped.group(1)), _bytes(scoped.group(2))
-    most = f" up to {_mib(refused.vmem_capacity)}, {refused.chip}'s whole VMEM" if refused.vmem_capacity else ""
     raise_limit = (
         f"the kernel needs {scoped.group(1)}iB of VMEM and {refused.chip} gives a kernel {scoped.group(2)}iB unless it "
-        f"asks for more: pass `vmem_limit_bytes` (in its TPU compiler_params){most}"
+        f"asks for more: {_raise_limit(refused.chip, refused.vmem_capacity)}"
     )
     if needed > (refused.vmem_capacity or needed):
         raise_limit = f"the kernel needs {scoped.group(1)}iB of VMEM, more than {refused.chip}'s whole VMEM"

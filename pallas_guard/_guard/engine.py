@@ -303,15 +303,17 @@ class Run:
         notes = []
         memory: list[MemoryUse] = []
         pending: list[tuple[_checks.Check, tuple[Hashable, ...], Callable[[], _checks.Prepared]]] = []
+        context = self._check_context()
         for check in self.checks:  # first: a kernel a check refuses never runs, nor returns a result
-            prepared = self._prepare(check, key, args, kwargs)
+            check_key = (*key, check.name, *context)
+            prepared = self._prepare(check, check_key, args, kwargs)
             if prepared.note:
                 notes.append(prepared.note)
             memory.extend(prepared.memory)
             if prepared.outputs is not None:
                 outputs = prepared.outputs
             if prepared.pending is not None:
-                pending.append((check, self._check_key(check, key), prepared.pending))
+                pending.append((check, check_key, prepared.pending))
         self.check_notes, self.memory = tuple(notes), tuple(memory)
         if not pending:
             return self._call(key, args, kwargs, outputs)
@@ -341,7 +343,7 @@ class Run:
                 if failure is None:
                     raise
                 raise finding from failure
-            self.settle(check_key, (check.name, ((prepared.note,) if prepared.note else ()) + prepared.memory))
+            self._settle_check(check_key, check, prepared)
             if prepared.note:
                 self.ledger.annotate(self.kernel.info, self.call_site, prepared.note, memory=prepared.memory)
 
@@ -360,12 +362,11 @@ class Run:
         return self._verify_and_run(args, kwargs, key)
 
     def _prepare(
-        self, check: _checks.Check, key: tuple[Hashable, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
+        self, check: _checks.Check, check_key: tuple[Hashable, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> _checks.Prepared:
         """What ``check`` needs before the run, once per kernel identity and shapes (settled under
-        a key of its own; a finding is raised at every call, nothing is settled for it)."""
+        ``check_key``; a finding is raised at every call, nothing is settled for it)."""
         __tracebackhide__ = True
-        check_key = self._check_key(check, key)
         known = self.settled(check_key)
         if known is not None:
             notes = [entry for entry in known[1] if isinstance(entry, str)]
@@ -373,17 +374,20 @@ class Run:
             return _checks.Prepared(notes[0] if notes else None, memory=memory)
         prepared = check.before(self, args, kwargs) or _checks.Prepared()
         if prepared.settles and prepared.pending is None:
-            self.settle(check_key, (check.name, ((prepared.note,) if prepared.note else ()) + prepared.memory))
+            self._settle_check(check_key, check, prepared)
         return prepared
 
+    def _settle_check(self, check_key: tuple[Hashable, ...], check: _checks.Check, prepared: _checks.Prepared) -> None:
+        self.settle(check_key, (check.name, ((prepared.note,) if prepared.note else ()) + prepared.memory))
+
     @staticmethod
-    def _check_key(check: _checks.Check, key: tuple[Hashable, ...]) -> tuple[Hashable, ...]:
-        # The device setting picks the target a check lowers or compiles for, require_checks
-        # whether a check that cannot run fails the call, the headroom what compiles too tightly:
-        # all part of what it settles.
-        # And the mesh a shard_map maps the kernel over: a compile is for the program it is in.
+    def _check_context() -> tuple[Hashable, ...]:
+        """What a check's settled work depends on besides the kernel and shapes: the device setting
+        (the target it lowers or compiles for), require_checks (whether a check that cannot run
+        fails the call), the headroom (what compiles too tightly), and the mesh a shard_map maps
+        the kernel over (a compile is for the program it is in)."""
         settings = ("device", "require_checks", "vmem_headroom")
-        return (*key, check.name, *(_settings.current(name).value for name in settings), jax_tracing.manual_mesh())
+        return (*(_settings.current(name).value for name in settings), jax_tracing.manual_mesh())
 
     def settled(self, key: tuple[Hashable, ...]) -> Settled | None:
         return self.ledger.settled(key) if key[0] is not None else self.kernel.settled.get(key)

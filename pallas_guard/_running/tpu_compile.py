@@ -195,27 +195,9 @@ def topology_device(generation: str) -> Any:
 
 
 def _make_device(generation: str) -> Any:
-    missing = available()
-    if missing is not None:
-        return missing
-    from jax.experimental import topologies
-
     spec = GENERATIONS[generation]
-    try:
-        with _deviceless_start(spec):
-            topology = topologies.get_topology_desc(
-                platform="tpu",
-                topology_name=spec.topology,
-                chip_config_name=spec.chip_config,
-                chips_per_host_bounds=spec.chips_per_host_bounds,
-                num_slices=1,
-            )
-        return topology.devices[0]
-    except (MemoryError, RecursionError):
-        raise
-    except Exception as error:
-        lines = str(error).strip().splitlines()
-        return f"the TPU topology {spec.topology} was refused: {type(error).__name__}: {lines[0] if lines else ''}"
+    devices = _make_topology(generation, spec.topology, spec.chips_per_host_bounds)
+    return devices if isinstance(devices, str) else devices[0]
 
 
 _CHIPS_2D = {1: (1, 1), 2: (2, 1), 4: (2, 2), 8: (2, 4), 16: (4, 4), 32: (4, 8), 64: (8, 8)}
@@ -364,21 +346,13 @@ def compile_kernel(
     return start_compile(build, args, kwargs, generation, mesh=mesh).outcome()
 
 
-class Compiling:
+class Compiling(NamedTuple):
     """A verdict on its way: known at once (lowering refused, kept on disk or refused earlier in
     this process), or libtpu compiling in a thread of its own (``ready`` False)."""
 
-    def __init__(self, outcome: Callable[[], Outcome], *, ready: bool) -> None:
-        self._outcome, self.ready = outcome, ready
-        self._lock = threading.Lock()
-        self._known: Outcome | None = None
-
-    def outcome(self) -> Outcome:
-        """The verdict, waiting for the compile where it runs."""
-        with self._lock:
-            if self._known is None:
-                self._known = self._outcome()
-            return self._known
+    outcome: Callable[[], Outcome]
+    """The verdict, waiting for the compile where it runs (asked once)."""
+    ready: bool
 
 
 def start_compile(
@@ -483,11 +457,9 @@ def _compiling(lowered: Any, generation: str, *, start: float, smem_limit: int |
         worker.join()
         seconds = time.perf_counter() - start
         result = done[0]
-        if isinstance(result, (MemoryError, RecursionError)) or (
-            isinstance(result, BaseException) and not isinstance(result, Exception)
-        ):
-            raise result
-        if isinstance(result, Exception):
+        if isinstance(result, BaseException):
+            if not isinstance(result, Exception) or isinstance(result, (MemoryError, RecursionError)):
+                raise result
             blocks = tuple(windows(lowered) or ())
             refusal = Outcome(
                 generation,
