@@ -211,3 +211,30 @@ def test_a_wait_for_what_was_signalled_is_no_finding(guard: Any) -> None:
     for call in _calls(_signal_then_wait(2, 2)).values():
         assert float(jax.block_until_ready(call(jnp.ones((8, 128))))[0, 0]) == 2.0
     assert not [d for d in pallas_guard.decisions() if d.action == "found"]
+
+
+# --- a kernel built before install() -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("require", [False, True], ids=["noted", "require_checks"])
+def test_agree_on_a_kernel_built_before_install_says_it_could_not_run(require: bool) -> None:
+    """Its calls never pass the front door, where agree runs the kernel in two interpreters: the
+    decision says so (under require_checks the call fails), and the kernel runs, bounds-checked."""
+    pallas_guard.uninstall()
+    kernel = _accumulating(("parallel", "arbitrary"))
+    pallas_guard.install("interpret", require_checks=require)
+    try:
+        with pallas_guard.policy(checks="agree,bounds"):
+            if require:
+                with pytest.raises(PallasGuardError, match="the agree check cannot run") as raised:
+                    kernel(jnp.ones((32, 128)))
+                assert "built before pallas_guard was installed" in str(raised.value)
+                return
+            out = kernel(jnp.ones((32, 128)))
+        (decision,) = pallas_guard.decisions()
+    finally:
+        pallas_guard.uninstall()
+    assert float(out[0, 0]) == 4.0  # the four iterations of the reduction axis, summed
+    assert decision.action == "interpreted" and decision.interpreter == "plain"
+    (note,) = [n for n in decision.notes if n.startswith("agree:")]
+    assert note.startswith("agree: not checked: its kernel never passed the guard's front door (built before")

@@ -480,3 +480,31 @@ def test_an_unproven_alignment_fix_names_the_kernels_line(guard: Any) -> None:
     found = re.search(r"the compiler points at (.+tpu_corpus\.py):(\d+)\)", fix)
     assert "`pl.multiple_of(index, 128)`" in fix and found is not None, fix
     assert int(found.group(2)) in kernel_lines
+
+
+@needs_libtpu
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "jit"])
+def test_a_kernel_built_before_install_is_compiled_in_a_policy_scope(traced: bool) -> None:
+    """Its calls never pass the front door: the lowering net compiles its equation for the TPU."""
+    pallas_guard.uninstall()
+    refused, compiles = _kernel((64, 128), jnp.float16), _kernel((64, 128), jnp.float32, (8, 128))
+    pallas_guard.install("interpret", device="tpu-v5e")
+    try:
+        with pallas_guard.policy(checks="compile"):
+            from jax._src.pallas.mosaic.error_handling import MosaicError
+
+            with pytest.raises((jax.errors.JaxRuntimeError, MosaicError)) as raised:
+                (jax.jit(refused) if traced else refused)(jnp.zeros((64, 128), jnp.float16))
+            x = jnp.arange(64 * 128, dtype=jnp.float32).reshape(64, 128)
+            out = (jax.jit(compiles) if traced else compiles)(x)
+        assert np.asarray(out).tobytes() == _unchecked(compiles, x)
+        decisions = pallas_guard.decisions()
+    finally:
+        pallas_guard.uninstall()
+    assert isinstance(raised.value, PallasGuardError)
+    text = str(raised.value)
+    assert "found by the compile check" in text and "Invalid vector type for load" in text
+    assert "test_compile_check.py" in text
+    notes = [n for d in decisions for n in d.notes if n.startswith("compile:")]
+    assert notes == [notes[0]] and notes[0].startswith("compile: compiles for tpu-v5e: VMEM ")
+    assert [use.space for d in decisions for use in d.memory][:1] == ["VMEM"]

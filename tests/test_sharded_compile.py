@@ -104,6 +104,41 @@ def test_a_kernel_that_asks_its_axis_index_compiles_inside_shard_map_and_runs() 
     assert note.startswith("compile: compiles for tpu-v5e (v5e:2x2, per shard of a mesh x=4): VMEM ")
 
 
+BUILT_BEFORE = """
+import json
+import jax, jax.numpy as jnp, numpy as np
+from jax.experimental import pallas as pl
+from jax.sharding import Mesh, PartitionSpec as P
+
+def plus_index(x_ref, o_ref):
+    o_ref[...] = x_ref[...] + jax.lax.axis_index("x").astype(jnp.float32)
+
+kernel = pl.pallas_call(plus_index, out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32))
+
+import pallas_guard  # installed after the kernel was built: its calls never reach the front door
+
+pallas_guard.install("interpret", checks="compile", device="tpu-v5e")
+mesh = Mesh(np.array(jax.devices()), ("x",))
+sharded = jax.jit(jax.shard_map(kernel, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))
+out = np.asarray(sharded(jnp.ones((32, 128), jnp.float32)))
+(decision,) = pallas_guard.decisions()
+print(json.dumps({"ran": [float(v) for v in out[::8, 0]], "notes": list(decision.notes)}))
+"""
+
+
+@needs_libtpu
+def test_a_kernel_built_before_install_is_compiled_in_the_program_of_its_shard_map() -> None:
+    """The lowering net compiles its equation, in the ``shard_map`` it lowers in."""
+    result = run_python(
+        BUILT_BEFORE, env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["ran"] == [1.0, 2.0, 3.0, 4.0]
+    (note,) = report["notes"]
+    assert note.startswith("compile: compiles for tpu-v5e (v5e:2x2, per shard of a mesh x=4): VMEM ")
+
+
 @needs_libtpu
 def test_the_vmem_verdict_follows_the_sharding() -> None:
     """The same 24 MiB array: 12 MiB a shard on 2 chips (its block and its output's, 24 MiB, over

@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 from pallas_guard._checks import lowering as _lowering_check
 from pallas_guard._checks import protocol as _checks
 from pallas_guard._deciding import diagnostics as _diagnostics
-from pallas_guard._jax import tracing as jax_tracing
 from pallas_guard._running import tpu_compile as _tpu_compile
 from pallas_guard._vocabulary import settings as _settings
 from pallas_guard._vocabulary.errors import PallasGuardError
@@ -55,7 +54,7 @@ class Compile(_checks.Check):
         if missing is not None:
             return unchecked(missing)
         # Inside shard_map: compiled in the program a pod slice of the mesh's shape would run.
-        called_in = jax_tracing.manual_mesh()
+        called_in = run.called_in()
         mesh = _tpu_compile.Mesh(*called_in) if called_in else None
         compiling = [
             _tpu_compile.start_compile(run.kernel.build, args, kwargs, generation, mesh=mesh)

@@ -229,6 +229,11 @@ class Run:
         self.learned: list[str] = []
         """What the net said of the kernel while the front door tried it (a check it could not apply)."""
 
+    @staticmethod
+    def called_in() -> tuple[tuple[str, ...], tuple[int, ...]] | None:
+        """The axis names and sizes of the ``shard_map`` mesh the kernel is called in, or None."""
+        return jax_tracing.manual_mesh()
+
     # --- the kernel in each interpreter ------------------------------------------------------------
 
     def _variant(self, name: str) -> tuple[Any, Any]:

@@ -122,6 +122,13 @@ class Ledger:
         empty if none."""
         return self._left.get(kernel_key(kernel), Left((), (), ()))
 
+    def saw(self, kernel: KernelInfo) -> bool:
+        """Whether the front door handled ``kernel`` (left it to the net, or passed it on): one that
+        reaches the net without it was built before ``install()``."""
+        key = kernel_key(kernel)
+        with self._lock:
+            return key in self._left or any(kernel_key(k) == key for k in self._passed.get(kernel.name, ()))
+
     # --- the kernel being called -------------------------------------------------------------------
 
     @contextlib.contextmanager

@@ -18,6 +18,7 @@ from pallas_guard._deciding import diagnostics as _diagnostics
 from pallas_guard._deciding import plan as _plan
 from pallas_guard._deciding import target as _target
 from pallas_guard._guard import engine as _engine
+from pallas_guard._guard import unseen as _unseen
 from pallas_guard._guard.ledger import Guarding, Ledger
 from pallas_guard._jax import lookup as jax_lookup
 from pallas_guard._jax import lowering as jax_lowering
@@ -77,6 +78,12 @@ def make_cpu_rule(entry_point: str, delegate: LoweringRule, installation: Guardi
             untouched = plan.action is _plan.Action.UNTOUCHED
             left = ledger.left_to_net(kernel) if plan.action is _plan.Action.INTERPRET else None
             tried, notes = (left.tried, left.notes) if left else ((), ())
+            memory = left.memory if left else ()
+            if left is not None and ledger.called() is None and not ledger.saw(kernel):
+                seen_notes, memory = _unseen.front_door_checks(
+                    ctx, params, kernel=kernel, call_site=call_site, entry_point=entry_point, hooks=installation.hooks
+                )
+                notes = (*notes, *seen_notes)
             wanted = plain_checks(params)
             unchecked = checked_plain.unchecked_reason(entry_point, params) if wanted else None
             if unchecked is not None and not untouched:
@@ -91,7 +98,7 @@ def make_cpu_rule(entry_point: str, delegate: LoweringRule, installation: Guardi
                 interpreter=jax_pallas.interpreter_of(interpret) if untouched else "plain",
                 tried=tried,
                 notes=notes,
-                memory=left.memory if left else (),
+                memory=memory,
                 grid=situation.grid,
                 budget=budget,
             )

@@ -79,3 +79,19 @@ def manual_axes(ctx: Any) -> bool:
     """Whether a rule context lowers inside a ``shard_map`` body (an SPMD axis context)."""
     axis_context = getattr(getattr(ctx, "module_context", None), "axis_context", None)
     return type(axis_context).__name__ not in ("ShardingContext", "ReplicaAxisContext")
+
+
+def manual_mesh(ctx: Any) -> tuple[tuple[str, ...], tuple[int, ...]] | None:
+    """The axis names and sizes of the ``shard_map`` mesh a rule context lowers in (its manual
+    axes); None outside one, or where the context does not say."""
+    axis_context = getattr(getattr(ctx, "module_context", None), "axis_context", None)
+    manual = getattr(axis_context, "manual_axes", None)
+    mesh = getattr(axis_context, "mesh", None)
+    if not manual or mesh is None:
+        return None
+    try:
+        shape = dict(mesh.shape)
+    except (AttributeError, TypeError):
+        return None
+    names = tuple(name for name in shape if name in manual)
+    return names, tuple(int(shape[name]) for name in names)
