@@ -520,3 +520,41 @@ def test_a_later_call_that_faults_is_a_pallas_guard_error_naming_its_call(jit: b
     assert f"called at {site}" in str(raised.value), str(raised.value)
     (found,) = [d for d in pallas_guard.decisions() if d.action == "found"]
     assert found.called_at == site
+
+
+# --- accesses inside a pl.run_state body ------------------------------------------------------------
+
+
+def _scoped_state(at: int, *, write_at: int = 0) -> Callable[[], Any]:
+    """A kernel that reads 8 elements of its input at ``at`` into a ``pl.run_state`` ref (at
+    ``write_at`` of its 16), then copies 8 of them out."""
+
+    def kernel(i_ref, x_ref, o_ref):  # type: ignore[no-untyped-def]
+        def body(refs):  # type: ignore[no-untyped-def]
+            (local,) = refs
+            local[pl.ds(i_ref[1], 8)] = x_ref[pl.ds(i_ref[0], 8)]
+            o_ref[...] = local[pl.ds(0, 8)] * 2
+
+        pl.run_state(body)((jnp.zeros((16,), jnp.float32),))
+
+    call = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((8,), jnp.float32),
+        in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM), pl.BlockSpec()],
+    )
+    return lambda: call(jnp.array([at, write_at], jnp.int32), X)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_an_access_inside_a_run_state_body_is_checked(jit: bool) -> None:
+    read = _finding(_scoped_state(20), jit=jit)
+    assert "out-of-bounds read" in read and "read [20:28] of a float32[24] buffer" in read
+    write = _finding(_scoped_state(0, write_at=12), jit=jit)
+    assert "out-of-bounds write" in write and "[12:20] of a float32[16] buffer" in write
+
+
+def test_a_run_state_body_within_bounds_is_bit_identical_and_fully_checked() -> None:
+    out = _same_as_unchecked(_scoped_state(16))
+    assert np.asarray(out).tolist() == [float(2 * v) for v in range(16, 24)]
+    notes = [n for d in pallas_guard.decisions() for n in d.notes]
+    assert not [n for n in notes if "run_state" in n], notes

@@ -100,11 +100,49 @@ def hook(hooks: list[Any]) -> None:
                     wrapper = _checking_rule(rule, access, registry.leading)
                     registry.rules[access.primitive] = wrapper
                     hooks.append(TableEntry(registry.rules, access.primitive, rule, wrapper))
+            _inline_run_state(registry, hooks)
         wrap(jax_pallas.block_mapping_class(), jax_pallas.BLOCK_START, _recording_step, hooks, is_ours=_is_ours)
         discharge = jax_state.state_discharge_module()
         wrap(discharge, jax_state.DISCHARGE_EVALUATOR, _counting_levels, hooks, is_ours=_is_ours)
         module = jax_pallas.hlo_interpreter_module()
         wrap(module, jax_pallas.BLOCK_COPY, _checking_block_copy, hooks, is_ours=_is_ours)
+
+
+def _inline_run_state(registry: jax_state.DischargeRegistry, hooks: list[Any]) -> None:
+    """A ``pl.run_state`` body is discharged where the kernel is, while its accesses are checked:
+    JAX's rule binds ``run_state`` again, whose body is discharged only when that lowers, after the
+    checks' trace; evaluated in place (what that lowering emits, inline), its accesses get theirs."""
+    evaluation = jax_state.run_state_evaluation()
+    if evaluation is None or registry.leading not in (1, 2):  # before 0.9: a partial rule, its gap noted
+        return
+    primitive, evaluate = evaluation
+    rule = registry.rules.get(primitive)
+    if rule is None or _is_ours(rule):
+        return
+
+    def pallas_guard_run_state_in_place(*args: Any, **params: Any) -> Any:
+        if _checking.get() is None or not all(params.get("is_initialized", ())):
+            return rule(*args, **params)
+        leading, operands = args[: registry.leading], args[registry.leading :]
+        if registry.leading == 1:  # a DischargeContext
+            discharged = list(leading[0].should_discharge)
+            strip = bool(getattr(leading[0], "strip_memory_space", False))
+        else:  # in_avals, out_avals
+            discharged, strip = [type(aval).__name__ == "AbstractRef" for aval in leading[0]], False
+        outputs = evaluate(strip, *operands, **params)
+        return [out if ref else None for ref, out in zip(discharged, outputs, strict=True)], outputs
+
+    pallas_guard_run_state_in_place.pallas_guard_checking = True  # type: ignore[attr-defined]
+    registry.rules[primitive] = pallas_guard_run_state_in_place
+    hooks.append(TableEntry(registry.rules, primitive, rule, pallas_guard_run_state_in_place))
+
+
+def _run_state_checked() -> bool:
+    """Whether accesses in ``pl.run_state`` bodies are checked with this jax."""
+    evaluation = jax_state.run_state_evaluation()
+    return evaluation is not None and any(
+        _is_ours(registry.rules.get(evaluation[0])) for registry in jax_state.discharge_registries()
+    )
 
 
 def _is_ours(function: Any) -> bool:
@@ -419,7 +457,8 @@ class Bounds(_checks.Check):
     def arm_plain(self, lowering: PlainLowering) -> Active:
         hook(lowering.hooks)
         kernel, call_site = lowering.kernel, lowering.call_site
-        if any(eqn.primitive.name == "run_state" for eqn in jax_state.jaxpr_equations(lowering.given["jaxpr"])):
+        equations = jax_state.jaxpr_equations(lowering.given["jaxpr"])
+        if any(eqn.primitive.name == "run_state" for eqn in equations) and not _run_state_checked():
             # Its body is discharged apart from the kernel's accesses: a gap said, not hidden.
             gap = "bounds does not check accesses in pl.run_state bodies"
             note = f"runs partly unchecked: {gap}"

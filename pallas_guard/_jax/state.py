@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import sys
 import types
-from collections.abc import Iterator, MutableMapping
+from collections.abc import Callable, Iterator, MutableMapping
 from typing import Any, NamedTuple
 
 from pallas_guard._jax.lookup import first_attribute, import_optional
@@ -38,6 +39,34 @@ def forget_discharges() -> None:
     clear = getattr(getattr(state_discharge_module(), "_discharge_state", None), "cache_clear", None)
     if callable(clear):
         clear()
+
+
+def run_state_evaluation() -> tuple[Any, Callable[..., Any]] | None:
+    """(``run_state_p``, a function that evaluates one with values, ``strip_memory_space`` first: its
+    body discharged and run, as its lowering does); None where this jax has no such pair."""
+    module: Any = state_discharge_module()
+    primitive = getattr(module, "run_state_p", None)
+    impl = getattr(module, "_run_state_impl", None)
+    if primitive is None or not callable(impl):
+        return None
+    if "strip_memory_space" not in _parameters(getattr(module, "discharge_state", None)):
+        return primitive, lambda strip, *args, **params: impl(*args, **params)
+    core: Any = import_optional("jax._src.core")
+
+    def evaluate(strip: bool, *args: Any, jaxpr: Any, which_linear: Any, is_initialized: Any) -> Any:
+        # As ``_run_state_impl`` (every ref initialised), with the memory spaces of the rule's context.
+        del which_linear, is_initialized
+        discharged = module.discharge_state(jaxpr, strip_memory_space=strip)
+        return core.eval_jaxpr(discharged, discharged.consts, *args)
+
+    return primitive, evaluate
+
+
+def _parameters(function: Any) -> frozenset[str]:
+    try:
+        return frozenset(inspect.signature(function).parameters)
+    except (TypeError, ValueError):
+        return frozenset()
 
 
 DISCHARGE_EVALUATOR = "_eval_jaxpr_discharge_state"
