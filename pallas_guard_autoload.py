@@ -317,22 +317,53 @@ _DEVICE_WORDS = {**{name: name for name in DEVICES}, **{kind.lower(): name for n
 _DEVICE_WORDS.update({"tpu v5e": "tpu-v5e", "tpu v5": "tpu-v5p", "tpu v6e": "tpu-v6e", "tpu-v7x": "tpu7x"})
 
 
+TPU_SLICE_DIMS = {"tpu-v4": 3, "tpu-v5e": 2, "tpu-v5p": 3, "tpu-v6e": 2, "tpu7x": 3}
+"""How many dimensions a slice of each TPU generation has (``v5e:2x4``, ``v5p:2x2x2``)."""
+_MAX_SLICE_SIDE = 64
+
+
 def _device(word: str) -> "str | None":
     """One device, or a comma-separated list of them (one per family, or TPU generations to compile
-    for), as the canonical names joined by commas; None where a part is unknown."""
+    for), as the canonical names joined by commas; None where a part is unknown. A TPU may name the
+    slice a sharded program runs on: ``tpu-v5e:2x4``."""
     if word == "none":
         return _NONE
-    names = [_DEVICE_WORDS.get(part.strip()) for part in word.split(",") if part.strip()]
+    names = [_device_part(part.strip()) for part in word.split(",") if part.strip()]
     if not names or None in names:
         return None
     return ",".join(dict.fromkeys(names))  # type: ignore[arg-type]
+
+
+def _device_part(part: str) -> "str | None":
+    name, colon, shape = part.partition(":")
+    device = _DEVICE_WORDS.get(name.strip())
+    if not colon or device is None:
+        return device
+    sides = shape.strip().split("x")
+    if len(sides) != TPU_SLICE_DIMS.get(device, 0):
+        return None
+    if not all(side.isascii() and side.isdigit() and 0 < int(side) <= _MAX_SLICE_SIDE for side in sides):
+        return None
+    return f"{device}:{'x'.join(str(int(side)) for side in sides)}"
 
 
 def device_list(value: object) -> "tuple[str, ...]":
     """The device setting's value as its devices, in the order given (none: empty)."""
     if not isinstance(value, str) or value == _NONE:
         return ()
-    return tuple(name for name in value.split(",") if name in DEVICES)
+    names = (part.partition(":")[0] for part in value.split(","))
+    return tuple(name for name in names if name in DEVICES)
+
+
+def device_slice(value: object, generation: str) -> "tuple[int, ...] | None":
+    """The slice the device setting names for TPU ``generation`` (``tpu-v5e:2x4``: (2, 4)), or None."""
+    if not isinstance(value, str):
+        return None
+    for part in value.split(","):
+        name, colon, shape = part.partition(":")
+        if colon and name == generation:
+            return tuple(int(side) for side in shape.split("x"))
+    return None
 
 
 def _word_of_devices(value: object) -> str | None:
@@ -453,12 +484,14 @@ OPTIONS = {
             "device",
             _device,
             "'none', " + ", ".join(map(repr, DEVICES)) + ", or JAX's device kind for one of them ('TPU v5 lite', "
-            "'NVIDIA H100 80GB HBM3', ...); or several, comma-separated",
+            "'NVIDIA H100 80GB HBM3', ...); or several, comma-separated; a TPU may name its slice, sides of 1 to "
+            f"{_MAX_SLICE_SIDE} chips: 'tpu-v5e:2x4' (two sides for v5e and v6e, three for v4, v5p and tpu7x)",
             _NONE,
             "the TPU/GPU that host code asking which accelerator it runs on is told (JAX's abstract device), "
             "where the target is the CPU and the guard interprets; several (comma-separated): host code is told "
             "the first, each kernel family is lowered for the first of its own platform, and the compile check "
-            "compiles for every TPU generation listed",
+            "compiles for every TPU generation listed (a kernel inside shard_map: for the slice named, else for "
+            "one with as many chips as the mesh has devices)",
             word_of=_word_of_devices,
             also=" or a list of str",
             meanings={

@@ -285,19 +285,20 @@ def test_a_kernel_without_inputs_is_compiled_for_the_tpu(guard: Any) -> None:
 
 
 @needs_libtpu
-def test_under_a_mesh_of_this_hosts_devices_the_kernel_runs_and_the_note_says_the_check_could_not_place_it(
-    guard: Any,
-) -> None:
-    # `jax.set_mesh` puts the CPU's devices in force: jit refuses operands placed on the TPU topology
-    # there, which is the check's place, not a refusal of the kernel (JAX's test_shard_map_check_vma).
+def test_under_a_mesh_of_this_hosts_devices_the_kernel_is_compiled_for_the_tpu(guard: Any) -> None:
+    """`jax.set_mesh` puts this host's devices in force, where jit refuses operands placed on a TPU
+    topology (JAX's test_shard_map_check_vma): the check lowers the kernel with no mesh of the
+    host's in force, inside ``shard_map`` and outside it (where the whole kernel runs on each chip)."""
     if not hasattr(jax, "set_mesh") or not hasattr(jax, "shard_map"):
         pytest.skip("this jax has no jax.set_mesh / jax.shard_map")
     from jax.sharding import PartitionSpec as P
 
     guard("interpret", checks="compile", device="tpu-v5e")
-    mesh = jax.make_mesh((1,), ("x",))
+    auto: Any = getattr(jax.sharding, "AxisType", None)
+    mesh = jax.make_mesh((1,), ("x",), **({"axis_types": (auto.Auto,)} if auto else {}))
+    x = jnp.arange(8 * 128, dtype=jnp.float32).reshape(8, 128)
     with jax.set_mesh(mesh):
-        x = jax.device_put(jnp.arange(8 * 128, dtype=jnp.float32).reshape(8, 128), jax.NamedSharding(mesh, P("x")))
+        x = jax.device_put(x, jax.NamedSharding(mesh, P("x")))
         inner = jax.shard_map(
             lambda x: pl.pallas_call(add_one, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype))(x),
             mesh=mesh,
@@ -305,14 +306,17 @@ def test_under_a_mesh_of_this_hosts_devices_the_kernel_runs_and_the_note_says_th
             out_specs=P("x"),
             check_vma=False,
         )
-        out = jax.jit(inner)(x)
-    np.testing.assert_array_equal(np.asarray(out), np.asarray(x) + 1)
-    [decision] = pallas_guard.decisions()
-    assert decision.action == "interpreted"
-    assert decision.notes == (
-        "compile: not checked for tpu-v5e: called under a mesh of this host's devices (jax.set_mesh), "
-        "where the check cannot place it on a TPU",
-    )
+        mapped = jax.jit(inner)(x)
+        whole = jax.jit(pl.pallas_call(add_one, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype)))(x)
+        refused = pl.pallas_call(add_one, out_shape=jax.ShapeDtypeStruct((8192, 1024), jnp.float32))
+        with pytest.raises(PallasGuardError, match=r"Scoped allocation with size 64\.00M and limit 16\.00M"):
+            jax.jit(refused)(jnp.zeros((8192, 1024), jnp.float32))
+    for out in (mapped, whole):
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(x) + 1)
+    interpreted = [d for d in pallas_guard.decisions() if d.action == "interpreted"]
+    assert len(interpreted) == 2
+    for decision in interpreted:
+        assert decision.notes[0].startswith("compile: compiles for tpu-v5e: VMEM "), decision.notes
 
 
 def _refused_by_the_compiler() -> list[str]:

@@ -72,11 +72,33 @@ def test_options_declare_each_setting_once() -> None:
         ("max_steps", " 512 ", 512),
         ("device", " TPU v5 lite ", "tpu-v5e"),
         ("device", "tpu-v5e, H100,tpu-v5e", "tpu-v5e,h100"),
+        ("device", "TPU-v5e:2X4 ,h100", "tpu-v5e:2x4,h100"),
+        ("device", "tpu v5p:02x2x2", "tpu-v5p:2x2x2"),
     ],
 )
 def test_every_option_parses_case_and_whitespace_insensitively(name: str, raw: str, expected: object) -> None:
     assert OPTIONS[name].parse(raw, "test") == expected
     assert OPTIONS[name].from_environment({OPTIONS[name].env: raw}) == expected
+
+
+@pytest.mark.parametrize(
+    "raw",
+    ["tpu-v5e:2x2x1", "tpu-v5p:2x2", "h100:2x2", "tpu-v5e:0x4", "tpu-v5e:2x128", "tpu-v5e:2x", "tpu-v5e:two"],
+)
+def test_a_slice_of_the_wrong_shape_or_of_a_gpu_is_refused_naming_what_is_accepted(raw: str) -> None:
+    with pytest.raises(PallasGuardConfigError) as raised:
+        OPTIONS["device"].parse(raw, "test")
+    message = str(raised.value)
+    assert repr(raw) in message and "'tpu-v5e:2x4'" in message
+    assert "two sides for v5e and v6e, three for v4, v5p and tpu7x" in message
+
+
+def test_the_devices_a_setting_lists_and_the_slice_it_names_for_a_generation() -> None:
+    from pallas_guard_autoload import device_list, device_slice
+
+    assert device_list("tpu-v5e:2x4,h100") == ("tpu-v5e", "h100")
+    assert device_slice("tpu-v5e:2x4,tpu-v5p:2x2x2", "tpu-v5p") == (2, 2, 2)
+    assert device_slice("tpu-v5e,h100", "tpu-v5e") is None
 
 
 def test_read_environment_returns_the_variables_that_are_set() -> None:

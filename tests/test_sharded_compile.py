@@ -217,3 +217,19 @@ def test_a_ring_of_remote_copies_compiles_for_the_topology_and_each_device_recei
         ]
         != []
     )
+
+
+@needs_libtpu
+def test_a_slice_the_device_setting_names_is_the_one_compiled_for() -> None:
+    """``tpu-v5p:2x4x1`` for a mesh of 8: that slice, not the default ``2x2x2``; a mesh of another
+    size is a note naming both counts."""
+    named = _sharded(8, 64, device="tpu-v5p:2x4x1")
+    assert named["ran"] == [float(i) for i in range(1, 9)]
+    (note,) = named["notes"]  # type: ignore[misc]
+    assert note.startswith("compile: compiles for tpu-v5p (v5p:2x4x1, per shard of a mesh x=8): VMEM ")
+    other = _sharded(4, 32, device="tpu-v5e:2x4")
+    assert other["ran"] == [1.0, 2.0, 3.0, 4.0]
+    (note,) = other["notes"]  # type: ignore[misc]
+    assert note == (
+        "compile: not checked for tpu-v5e: the device setting names the slice v5e:2x4 (8 devices), and the mesh has 4"
+    )

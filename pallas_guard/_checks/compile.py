@@ -22,7 +22,7 @@ from pallas_guard._running import tpu_compile as _tpu_compile
 from pallas_guard._vocabulary import settings as _settings
 from pallas_guard._vocabulary.errors import PallasGuardError
 from pallas_guard._vocabulary.record import MemoryUse
-from pallas_guard_autoload import device_list
+from pallas_guard_autoload import device_list, device_slice
 
 if TYPE_CHECKING:
     from pallas_guard._checks.lowering import Target
@@ -56,9 +56,12 @@ class Compile(_checks.Check):
         # Inside shard_map: compiled in the program a pod slice of the mesh's shape would run.
         called_in = run.called_in()
         mesh = _tpu_compile.Mesh(*called_in) if called_in else None
+        setting = _settings.current("device").value
         compiling = [
-            _tpu_compile.start_compile(run.kernel.build, args, kwargs, generation, mesh=mesh)
-            for generation in _generations(_settings.current("device").value)
+            _tpu_compile.start_compile(
+                run.kernel.build, args, kwargs, generation, mesh=mesh, named=device_slice(setting, generation)
+            )
+            for generation in _generations(setting)
         ]
         if all(each.ready for each in compiling):  # known already: a refusal never runs the kernel
             return self.verdict(run, target, [each.outcome() for each in compiling], mesh)
@@ -122,7 +125,8 @@ def _label(generation: str, mesh: _tpu_compile.Mesh | None) -> str:
     """``tpu-v5e``, or ``tpu-v5e (v5e:2x2, per shard of a mesh x=4)`` inside ``shard_map``."""
     if mesh is None or mesh.devices == 1:
         return generation
-    topology = _tpu_compile.topology_for(generation, mesh.devices)
+    named = device_slice(_settings.current("device").value, generation)
+    topology = _tpu_compile.topology_for(generation, mesh.devices, named)
     return f"{generation} ({topology[0]}, per shard of a mesh {mesh})" if isinstance(topology, tuple) else generation
 
 

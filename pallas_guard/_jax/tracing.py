@@ -178,3 +178,28 @@ def in_mesh(mesh: Any) -> contextlib.AbstractContextManager[Any]:
         return contextlib.nullcontext()
     entered: contextlib.AbstractContextManager[Any] = scope(abstract)
     return entered
+
+
+@contextlib.contextmanager
+def outside_meshes() -> Iterator[None]:
+    """Neither a concrete mesh (``jax.set_mesh``) nor an abstract one in force: a program for a TPU
+    topology's devices is lowered apart from the mesh of this host's devices the user set."""
+    from pallas_guard._jax.lookup import first_attribute
+
+    mesh = import_optional("jax._src.mesh")
+    states: list[tuple[Any, Any]] = [
+        (first_attribute([("jax._src.mesh", state), ("jax._src.config", state)]), getattr(mesh, empty, None))
+        for state, empty in (
+            ("device_context", "empty_concrete_mesh"),
+            ("abstract_mesh_context_manager", "empty_abstract_mesh"),
+        )
+    ]
+    if any(not hasattr(state, "swap_local") or empty is None for state, empty in states):
+        yield  # a jax without these: a kernel under set_mesh is then left unchecked, and says so
+        return
+    previous = [state.swap_local(empty) for state, empty in states]
+    try:
+        yield
+    finally:
+        for (state, _), value in zip(states, previous, strict=True):
+            state.set_local(value)

@@ -23,6 +23,7 @@ import importlib
 import importlib.metadata
 import importlib.util
 import json
+import math
 import os
 import re
 import threading
@@ -33,6 +34,7 @@ from typing import Any, NamedTuple
 from pallas_guard._deciding import device as _device
 from pallas_guard._jax import lookup as jax_lookup
 from pallas_guard._jax import tracing as jax_tracing
+from pallas_guard_autoload import TPU_SLICE_DIMS
 
 
 class Generation(NamedTuple):
@@ -204,40 +206,52 @@ _CHIPS_2D = {1: (1, 1), 2: (2, 1), 4: (2, 2), 8: (2, 4), 16: (4, 4), 32: (4, 8),
 _CHIPS_3D = {1: (1, 1, 1), 2: (2, 1, 1), 4: (2, 2, 1), 8: (2, 2, 2), 16: (2, 2, 4), 32: (2, 4, 4), 64: (4, 4, 4)}
 _DEVICES_PER_CHIP = {"tpu7x": 2}
 """JAX presents each of a tpu7x chip's two TensorCores as a device (measured: ``tpu7x:2x2x1`` has 8)."""
-_meshes: dict[tuple[str, int], Any] = {}
+_meshes: dict[tuple[str, str], Any] = {}
 
 
-def topology_for(generation: str, devices: int) -> tuple[str, tuple[int, int, int]] | str:
+def topology_for(
+    generation: str, devices: int, named: tuple[int, ...] | None = None
+) -> tuple[str, tuple[int, int, int]] | str:
     """The deviceless topology of ``generation`` with ``devices`` devices (``v5e:2x2`` for 4 on a
-    v5e) and its chips per host (a host has at most 2x4 chips of a 2-D generation, 2x2x1 of a 3-D
-    one); else why there is none."""
+    v5e, or the slice ``named`` by the device setting) and its chips per host (a host has at most
+    2x4 chips of a 2-D generation, 2x2x1 of a 3-D one); else why there is none."""
     spec = GENERATIONS.get(generation)
     if spec is None:
         return f"no TPU topology for {generation!r} (known: {', '.join(GENERATIONS)})"
     per_chip = _DEVICES_PER_CHIP.get(generation, 1)
-    three_d = len(spec.topology.split(":")[1].split("x")) == 3
-    shapes = _CHIPS_3D if three_d else _CHIPS_2D
-    chips = devices // per_chip
-    if devices % per_chip or chips not in shapes:
-        counts = ", ".join(str(count * per_chip) for count in shapes)
-        return f"a mesh of {devices} devices maps onto no {generation} topology (it has {counts} devices)"
-    shape = shapes[chips]
-    name = f"{spec.topology.split(':')[0]}:{'x'.join(map(str, shape))}"
+    three_d = TPU_SLICE_DIMS.get(generation) == 3
+    prefix = spec.topology.split(":")[0]
+    if named is not None:
+        shape = named
+        slice_devices = math.prod(named) * per_chip
+        if slice_devices != devices:
+            return (
+                f"the device setting names the slice {prefix}:{'x'.join(map(str, named))} ({slice_devices} devices), "
+                f"and the mesh has {devices}"
+            )
+    else:
+        shapes = _CHIPS_3D if three_d else _CHIPS_2D
+        chips = devices // per_chip
+        if devices % per_chip or chips not in shapes:
+            counts = ", ".join(str(count * per_chip) for count in shapes)
+            return f"a mesh of {devices} devices maps onto no {generation} topology (it has {counts} devices)"
+        shape = shapes[chips]
+    name = f"{prefix}:{'x'.join(map(str, shape))}"
     host = (2, 2, 1) if three_d else (2, 4, 1)
     padded = (*shape, 1, 1)[:3]
     return name, (min(padded[0], host[0]), min(padded[1], host[1]), min(padded[2], host[2]))
 
 
-def topology_devices(generation: str, devices: int) -> Any:
+def topology_devices(generation: str, devices: int, named: tuple[int, ...] | None = None) -> Any:
     """``devices`` compile-only devices of a deviceless topology of ``generation`` (a list), or a
-    one-line reason (a str); made once per process, generation and count."""
-    found = topology_for(generation, devices)
+    one-line reason (a str); made once per process, generation and shape."""
+    found = topology_for(generation, devices, named)
     if isinstance(found, str):
         return found
     with _lock:
-        if (generation, devices) not in _meshes:
-            _meshes[generation, devices] = _make_topology(generation, *found)
-        return _meshes[generation, devices]
+        if (generation, found[0]) not in _meshes:
+            _meshes[generation, found[0]] = _make_topology(generation, *found)
+        return _meshes[generation, found[0]]
 
 
 def _make_topology(generation: str, name: str, bounds: tuple[int, int, int]) -> Any:
@@ -362,6 +376,7 @@ def start_compile(
     generation: str,
     *,
     mesh: Mesh | None = None,
+    named: tuple[int, ...] | None = None,
 ) -> Compiling:
     """``compile_kernel``, with libtpu's compile started in a thread and left to run beside the
     caller (libtpu compiles in C++, without the GIL): JAX's lowering for the TPU runs here, now."""
@@ -371,12 +386,13 @@ def start_compile(
     def known(outcome: Outcome) -> Compiling:
         return Compiling(lambda: outcome, ready=True)
 
-    placed = _on_the_topology(build, generation, mesh, bool(kwargs))
+    placed = _on_the_topology(build, generation, mesh, bool(kwargs), named)
     if isinstance(placed, str):
         return known(Outcome(generation, None, smem_limit=smem_limit, unchecked=placed))
     function, sharding, device = placed
     import jax
 
+    # The topology's mesh in force in place of any the user set for this host's devices.
     mesh_scope = (
         jax_tracing.in_mesh(sharding.mesh) if mesh is not None and mesh.devices > 1 else contextlib.nullcontext()
     )
@@ -387,7 +403,12 @@ def start_compile(
         # The topology device's own kind and cores: Pallas's TPU lowering (1-D blocks, `sign`) and
         # host code (`get_tpu_info()`) ask the abstract device, else this CPU. The outputs are
         # placed there too: a kernel without array inputs would otherwise compile for the CPU.
-        with _device.presented(generation, like=device), jax_tracing.retrace_logs_muted(), mesh_scope:
+        with (
+            jax_tracing.outside_meshes(),
+            _device.presented(generation, like=device),
+            jax_tracing.retrace_logs_muted(),
+            mesh_scope,
+        ):
             lowered = jax.jit(function, out_shardings=sharding).lower(*avals, **kwavals)
     except (MemoryError, RecursionError):
         raise
@@ -404,12 +425,16 @@ def start_compile(
 
 
 def _on_the_topology(
-    build: Callable[[], Callable[..., Any]], generation: str, mesh: Mesh | None, keywords: bool
+    build: Callable[[], Callable[..., Any]],
+    generation: str,
+    mesh: Mesh | None,
+    keywords: bool,
+    named: tuple[int, ...] | None,
 ) -> tuple[Callable[..., Any], Any, Any] | str:
     """(the kernel to lower, the sharding of its operands and outputs, a device of the topology):
     on one device of ``generation``'s topology; inside ``shard_map`` over a mesh of the topology's
-    devices where the kernel is called in a ``mesh`` (each device given the per-shard operands the
-    kernel sees); or why not."""
+    devices (the slice ``named`` by the device setting, else one with as many) where the kernel is
+    called in a ``mesh`` (each device given the per-shard operands the kernel sees); or why not."""
     import jax
 
     if mesh is None or mesh.devices == 1:
@@ -419,7 +444,7 @@ def _on_the_topology(
         return build(), jax.sharding.SingleDeviceSharding(device), device
     if keywords:
         return "a kernel inside shard_map called with keyword arguments is not compiled for a topology"
-    devices = topology_devices(generation, mesh.devices)
+    devices = topology_devices(generation, mesh.devices, named)
     if isinstance(devices, str):
         return devices
     import numpy as np
