@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from conftest import run_python
+
+from pallas_guard._deciding import interpreters
 
 PROGRAM = """
 import inspect, json
@@ -74,3 +77,76 @@ def test_guarded_kernel_inside_shard_map_on_four_cpu_devices() -> None:
     # One kernel in the program (shard_map lowers the body once for all devices), interpreted.
     assert report["decisions"] == [["interpreted", "plain", "lowering"]]
     assert "would lower for the CPU without interpret=" in report["strict"]
+
+
+SCATTER = """
+import inspect, json
+import pallas_guard
+import jax, jax.numpy as jnp, numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.sharding import Mesh, PartitionSpec as P
+
+shard_map = getattr(jax, "shard_map", None)
+if shard_map is None:
+    from jax.experimental.shard_map import shard_map
+parameters = inspect.signature(shard_map).parameters
+no_check = {"check_vma": False} if "check_vma" in parameters else {"check_rep": False}
+ANY = getattr(pl, "ANY", None) or pltpu.ANY
+
+def scatter_rows(slices_ref, new_ref, cache_ref, out_ref, sem):
+    # Copies of a length read at run time: the plain interpreter cannot slice them.
+    del cache_ref
+    def one(i, carry):
+        to, start, rows = slices_ref[0, i], slices_ref[1, i], slices_ref[2, i]
+        copy = pltpu.make_async_copy(new_ref.at[pl.ds(start, rows)], out_ref.at[pl.ds(to, rows)], sem)
+        copy.start()
+        copy.wait()
+        return carry
+    jax.lax.fori_loop(0, slices_ref.shape[1], one, 0)
+
+def update(slices, new, cache):
+    return pl.pallas_call(
+        scatter_rows,
+        out_shape=jax.ShapeDtypeStruct(cache.shape, cache.dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1, grid=(1,),
+            in_specs=[pl.BlockSpec(memory_space=ANY), pl.BlockSpec(memory_space=ANY)],
+            out_specs=pl.BlockSpec(memory_space=ANY),
+            scratch_shapes=[pltpu.SemaphoreType.DMA],
+        ),
+        input_output_aliases={2: 0},
+    )(slices, new, cache)
+
+mesh = Mesh(np.array(jax.devices()), ("tensor",))
+heads = P(None, "tensor")
+sharded = jax.jit(shard_map(update, mesh=mesh, in_specs=(P(), heads, heads), out_specs=heads, **no_check))
+slices = np.array([[0, 8], [0, 2], [2, 3]], np.int32)
+new = np.arange(5 * 4 * 128, dtype=np.float32).reshape(5, 4, 128)
+out = np.asarray(sharded(jnp.asarray(slices), jnp.asarray(new), jnp.zeros((16, 4, 128), jnp.float32)))
+expected = np.zeros((16, 4, 128), np.float32)
+expected[0:2], expected[8:11] = new[0:2], new[2:5]
+(decision,) = pallas_guard.decisions()
+print(json.dumps({"right": bool((out == expected).all()), "interpreter": decision.interpreter,
+                  "reason": decision.reason}))
+"""
+
+
+def test_a_kernel_only_tpu_interpret_mode_runs_is_tried_inside_its_shard_map() -> None:
+    """Plain cannot slice copies of a length read at run time; TPU interpret mode, tried in the
+    ``shard_map`` the kernel is called in (its axis names bound), runs it and is chosen."""
+    if not interpreters.available("tpu"):
+        pytest.skip("this jax has no TPU interpret mode")
+    result = run_python(
+        SCATTER,
+        env={
+            "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+            "JAX_PLATFORMS": "cpu",
+            "PALLAS_GUARD_POLICY": "interpret",
+        },
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["right"] is True
+    assert report["interpreter"] == "tpu"
+    assert "tried plain: failed" in report["reason"]

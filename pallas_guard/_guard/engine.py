@@ -278,6 +278,17 @@ class Run:
         """An eager plain run is recorded here; the net substitutes the interpreter silently."""
         return self.ledger.verification() if self.eager and name == "plain" else contextlib.nullcontext()
 
+    @staticmethod
+    def _trial(name: str, jitted: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Lower ``jitted`` on trial. Inside ``shard_map`` a lowering of its own has none of the
+        mesh's axes bound, which TPU interpret mode asks its device's index on: there its trial is
+        its trace (where it does its work), made in the ``shard_map``'s own. The plain interpreter
+        works at lowering, which only its own lowering tries."""
+        if name != "plain" and jax_tracing.manual_mesh() is not None:
+            jitted.trace(*args, **kwargs)
+        else:
+            jitted.lower(*args, **kwargs)
+
     def _plain_traced(self, name: str, jitted: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         """Under an outer trace, plain verified without a lowering of its own: the outer lowering
         lowers the kernel anyway, replaying the interpreter traced here (``PlainTraces``). False
@@ -431,7 +442,7 @@ class Run:
                     # Tracers of an outer trace lower as their avals (memory spaces, weak types
                     # kept): the call below then reuses this trial's trace of the body.
                     if not self._plain_traced(name, jitted, args, kwargs):
-                        jitted.lower(*args, **kwargs)  # type: ignore[attr-defined]
+                        self._trial(name, jitted, args, kwargs)
             except _NEVER_RETRIED:
                 raise
             except Exception as error:
