@@ -150,3 +150,50 @@ def test_a_kernel_only_tpu_interpret_mode_runs_is_tried_inside_its_shard_map() -
     assert report["right"] is True
     assert report["interpreter"] == "tpu"
     assert "tried plain: failed" in report["reason"]
+
+
+ASKED_INSIDE = """
+import inspect, json
+import jax, jax.numpy as jnp, numpy as np
+from jax.experimental.pallas import tpu as pltpu
+from jax.sharding import Mesh, PartitionSpec as P
+import pallas_guard
+
+shard_map = getattr(jax, "shard_map", None)
+if shard_map is None:
+    from jax.experimental.shard_map import shard_map
+parameters = inspect.signature(shard_map).parameters
+no_check = {"check_vma": False} if "check_vma" in parameters else {"check_rep": False}
+asked = {}
+
+def body(x):
+    try:
+        asked["cores"] = pltpu.get_tpu_info().num_cores
+    except AttributeError:  # a jax without get_tpu_info
+        asked["cores"] = len(pltpu.create_tensorcore_mesh("core").devices.flat)
+    asked["mesh"] = list(jax.sharding.get_abstract_mesh().axis_names)
+    return x
+
+mesh = Mesh(np.array(jax.devices()), ("x",))
+jax.jit(shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x"), **no_check))(jnp.zeros((4, 8)))
+print(json.dumps(asked))
+"""
+
+
+def test_host_code_inside_shard_map_is_told_the_device_setting() -> None:
+    """Inside a mesh of this host's CPU devices, ``get_tpu_info`` (``create_tensorcore_mesh`` before
+    it) asks the mesh's device: it is told the device setting's (a TPU v4: two cores), the mesh's
+    axes kept."""
+    result = run_python(
+        ASKED_INSIDE,
+        env={
+            "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+            "JAX_PLATFORMS": "cpu",
+            "PALLAS_GUARD_POLICY": "interpret",
+            "PALLAS_GUARD_DEVICE": "tpu-v4",
+        },
+    )
+    if "has no attribute 'create_tensorcore_mesh'" in result.stderr:
+        pytest.skip("this jax has no pltpu.create_tensorcore_mesh")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == {"cores": 2, "mesh": ["x"]}

@@ -129,6 +129,35 @@ def undo() -> None:
 
 
 @contextlib.contextmanager
+def answering() -> Iterator[None]:
+    """While host code asks which accelerator it runs on (``get_tpu_info``,
+    ``create_tensorcore_mesh``) inside a mesh of this host's CPU devices (a ``shard_map`` body),
+    where the guard interprets with a device set: the mesh's axes with the device set as its
+    device, as outside any mesh. A mesh of the user's on a real accelerator stays as it is."""
+    holder = jax_config.abstract_mesh_config()
+    device = wanted() if holder is not None else None
+    current: Any = holder.value if holder is not None else None
+    seen = getattr(current, "abstract_device", None)
+    if device is None or _free(current) or getattr(seen, "platform", "cpu") != "cpu":
+        yield
+        return
+    import jax
+
+    try:
+        mesh = jax.sharding.AbstractMesh(
+            tuple(current.axis_sizes),
+            tuple(current.axis_names),
+            axis_types=tuple(current.axis_types),
+            abstract_device=abstract_device(device),
+        )
+    except (TypeError, AttributeError):  # a jax whose meshes carry no device: asked as it is
+        yield
+        return
+    with jax.sharding.use_abstract_mesh(mesh):
+        yield
+
+
+@contextlib.contextmanager
 def scoped() -> Iterator[None]:
     """Inside a ``policy()`` scope: the device its settings want, where no mesh of the user's is in
     force; the process-wide one taken away where they want none (``strict``, ``device="none"``)."""

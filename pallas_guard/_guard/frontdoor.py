@@ -200,7 +200,8 @@ def wrap_host_question(original: Callable[..., Any], question: HostQuestion, ins
     ) -> Any:
         del instance
         try:
-            return wrapped(*args, **kwargs)
+            with _device.answering():
+                return wrapped(*args, **kwargs)
         except Exception as error:
             if _device.interpreting_on_cpu():
                 note_which_accelerator(error)

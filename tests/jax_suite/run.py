@@ -42,6 +42,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 FILES = ("tpu_pallas_test.py", "tpu_pallas_state_test.py", "tpu_ops_test.py")
+OTHER_FILES = ("tpu_pallas_distributed_test.py", "tpu_pallas_interpret_distributed_test.py")
+"""Run when named (--files): the distributed tests need several CPU devices (``--devices``); JAX's
+interpret-mode ones (``--interpret-classes``) pass ``interpret=`` themselves."""
 HELPERS = {
     "pallas_test_util.py": "jax/_src/pallas/pallas_test_util.py",
     "hypothesis_test_util.py": "jax/_src/hypothesis_test_util.py",
@@ -159,18 +162,22 @@ class Run:
     started: set[str] = field(default_factory=set)
 
 
-def run_pytest(suite: Path, files: list[str], checks: str, args: argparse.Namespace, logs: Path) -> Run:
+def run_pytest(
+    suite: Path, files: list[str], checks: str, args: argparse.Namespace, logs: Path, *, policy: str = "interpret"
+) -> Run:
     """One pytest process over ``files``; where a test aborts the process (a crash in native code),
-    that test is recorded as ``crashed`` and pytest runs again over the tests not yet run."""
-    results = logs / f"results-{checks}.jsonl"
-    findings = logs / f"findings-{checks}.jsonl"
-    done = logs / f"done-{checks}.txt"
+    that test is recorded as ``crashed`` and pytest runs again over the tests not yet run. Policy
+    ``off``: JAX's own behaviour on the CPU, the run without the guard."""
+    name = checks if policy == "interpret" else f"policy-{policy}"
+    results = logs / f"results-{name}.jsonl"
+    findings = logs / f"findings-{name}.jsonl"
+    done = logs / f"done-{name}.txt"
     for path in (results, findings, done):
         path.unlink(missing_ok=True)
     env = dict(os.environ)
     env.update(
         JAX_PLATFORMS="cpu",
-        PALLAS_GUARD_POLICY="interpret",
+        PALLAS_GUARD_POLICY=policy,
         PALLAS_GUARD_DEVICE=args.device,
         PALLAS_GUARD_CHECKS=checks,
         JAX_SUITE_UNDER_GUARD=str(suite),
@@ -179,8 +186,16 @@ def run_pytest(suite: Path, files: list[str], checks: str, args: argparse.Namesp
         JAX_SUITE_UNDER_GUARD_DONE=str(done),
         PYTHONUNBUFFERED="1",
     )
-    for name in ("PALLAS_GUARD_INTERPRETER", "PALLAS_GUARD_DETECT_RACES", "PALLAS_GUARD_MAX_STEPS", "PALLAS_INTERPRET"):
-        env.pop(name, None)
+    for variable in (
+        "PALLAS_GUARD_INTERPRETER",
+        "PALLAS_GUARD_DETECT_RACES",
+        "PALLAS_GUARD_MAX_STEPS",
+        "PALLAS_INTERPRET",
+    ):
+        env.pop(variable, None)
+    if args.devices:  # several CPU devices, as the distributed tests need: set before the backend starts
+        count = f"--xla_force_host_platform_device_count={args.devices}"
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {count}".strip()
     command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rfE"]
     if not _plugin_installed():
         command += ["-p", "pallas_guard_pytest"]
@@ -190,11 +205,11 @@ def run_pytest(suite: Path, files: list[str], checks: str, args: argparse.Namesp
     if selection:
         command += ["-k", " and ".join(selection)]
     command += files
-    print(f"jax_suite: checks={checks}: {' '.join(command[1:])}", flush=True)
-    result = Run(checks)
+    print(f"jax_suite: checks={name}: {' '.join(command[1:])}", flush=True)
+    result = Run(name)
     started = time.monotonic()
     for attempt in range(1, args.max_restarts + 2):
-        log = logs / f"pytest-{checks}-{attempt}.log"
+        log = logs / f"pytest-{name}-{attempt}.log"
         with log.open("w", encoding="utf-8") as out:
             completed = subprocess.run(command, cwd=suite, env=env, stdout=out, stderr=subprocess.STDOUT, check=False)
         result.returncode = completed.returncode
@@ -206,7 +221,7 @@ def run_pytest(suite: Path, files: list[str], checks: str, args: argparse.Namesp
         result.crashed.append(crashed)
         tail = " ".join(line.strip() for line in text.splitlines()[-400:] if "Fatal Python error" in line)
         print(
-            f"jax_suite: checks={checks}: {crashed} aborted the process ({tail or completed.returncode}); "
+            f"jax_suite: checks={name}: {crashed} aborted the process ({tail or completed.returncode}); "
             f"again over the tests not yet run (log {log})",
             flush=True,
         )
@@ -217,7 +232,7 @@ def run_pytest(suite: Path, files: list[str], checks: str, args: argparse.Namesp
             row = json.loads(line)
             result.findings.setdefault(_test_id(row["test"]), []).append(row)
     print(
-        f"jax_suite: checks={checks}: {dict(sorted(Counter(result.outcomes.values()).items()))} "
+        f"jax_suite: checks={name}: {dict(sorted(Counter(result.outcomes.values()).items()))} "
         f"in {result.seconds:.0f} s (pytest exit {result.returncode}); logs in {logs}",
         flush=True,
     )
@@ -311,28 +326,36 @@ def per_file(run: Run) -> dict[str, Counter[str]]:
     return table
 
 
-def report(base: Run, checked: Run, source: str, jax_version: str, device: str) -> tuple[str, int]:
+def report(
+    base: Run, checked: Run, source: str, jax_version: str, device: str, *, without: Run | None = None
+) -> tuple[str, int]:
     false = false_findings(base, checked)
     passing = now_passing(base, checked)
     refusals = [test for test, found in passing if "compile" in found.split(",")]
+    runs = [run for run in (without, base, checked) if run is not None]
+    heads = {"policy-off": "without the guard (policy off)", "none": "checks=none"}
     lines = [
         f"JAX {jax_version} TPU Pallas tests on a CPU under pallas_guard (policy interpret, "
         f"device {device}); tests from {source}",
         "",
-        f"| file | tests | passed / failed / error / skipped / crashed, checks=none | ... checks={checked.checks} |",
-        "|---|---|---|---|",
+        "| file | tests | "
+        + " | ".join(
+            f"passed / failed / error / skipped / crashed, {heads.get(r.checks, f'checks={r.checks}')}" for r in runs
+        )
+        + " |",
+        "|---|---|" + "---|" * len(runs),
     ]
-    tables = per_file(base), per_file(checked)
-    for name in sorted(set(tables[0]) | set(tables[1])):
+    tables = [per_file(run) for run in runs]
+    for name in sorted(set().union(*tables)):
         cells = [
             " / ".join(
                 str(t.get(name, Counter())[word]) for word in ("passed", "failed", "error", "skipped", "crashed")
             )
             for t in tables
         ]
-        lines.append(f"| {name} | {sum(tables[0].get(name, Counter()).values())} | {cells[0]} | {cells[1]} |")
+        lines.append(f"| {name} | {sum(tables[-2].get(name, Counter()).values())} | {' | '.join(cells)} |")
     lines += [
-        f"| time | | {base.seconds:.0f} s | {checked.seconds:.0f} s |",
+        "| time | | " + " | ".join(f"{run.seconds:.0f} s" for run in runs) + " |",
         "",
         f"False findings (pass with checks=none; fail with checks={checked.checks}, or a finding recorded): "
         f"{len(false)}",
@@ -348,6 +371,13 @@ def report(base: Run, checked: Run, source: str, jax_version: str, device: str) 
         "... of which pass because the compile check refused a kernel (tests that expect the TPU "
         f"compiler's refusal): {len(refusals)}",
     ]
+    if without is not None:
+        rescued = now_passing(without, base)
+        lines += ["", f"Failing without the guard, passing under it (checks=none): {len(rescued)}"]
+        lines += [f"- {test}" for test, _ in rescued]
+        broken = [t for t, o in sorted(without.outcomes.items()) if o == "passed" and base.outcomes.get(t) in FAILED]
+        lines += ["", f"Passing without the guard, failing under it (checks=none): {len(broken)}"]
+        lines += [f"- {test}: {_first_finding_line(base.messages.get(test, ''))[:300]}" for test in broken]
     crashes = [test for test, outcome in sorted(checked.outcomes.items()) if outcome == "crashed"]
     if crashes:
         lines += ["", f"Aborted the pytest process with checks={checked.checks} (any outcome without): {len(crashes)}"]
@@ -368,7 +398,7 @@ def report(base: Run, checked: Run, source: str, jax_version: str, device: str) 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--checks", default="all", help="the checks compared with none (default: all)")
-    parser.add_argument("--files", nargs="+", default=list(FILES), choices=FILES, metavar="FILE")
+    parser.add_argument("--files", nargs="+", default=list(FILES), choices=FILES + OTHER_FILES, metavar="FILE")
     parser.add_argument("--out", type=Path, help="also write the summary (Markdown) to this file")
     parser.add_argument("--jax-source", default=os.environ.get("JAX_SUITE_SOURCE"), help="a jax git repo or checkout")
     parser.add_argument("--device", default="tpu-v5e", help="PALLAS_GUARD_DEVICE for both runs")
@@ -376,7 +406,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-k", help="a pytest -k expression to narrow the tests")
     parser.add_argument("--max-restarts", type=int, default=20, help="runs again after so many aborts at most")
     parser.add_argument("--keep", type=Path, help="keep the extracted tests and the logs here")
+    parser.add_argument(
+        "--without-guard", action="store_true", help="also a run with policy off (JAX's own behaviour on a CPU)"
+    )
+    parser.add_argument(
+        "--devices",
+        type=int,
+        help="CPU devices (XLA_FLAGS) for every run; default: 4 where a distributed test file is run",
+    )
     args = parser.parse_args(argv)
+    if args.devices is None and set(args.files) & set(OTHER_FILES):
+        args.devices = 4
 
     jax_version = importlib.metadata.version("jax")
     work = Path(tempfile.mkdtemp(prefix="pallas_guard-jax-suite."))
@@ -394,6 +434,7 @@ def main(argv: list[str] | None = None) -> int:
         logs = args.keep or work
         logs.mkdir(parents=True, exist_ok=True)
         print(f"jax_suite: JAX {jax_version}'s tests from {source}", flush=True)
+        without = run_pytest(suite, args.files, "none", args, logs, policy="off") if args.without_guard else None
         base = run_pytest(suite, args.files, "none", args, logs)
         checked = run_pytest(suite, args.files, args.checks, args, logs)
         if not base.outcomes or not checked.outcomes:
@@ -401,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         for run in (base, checked):
             print(f"jax_suite: checks={run.checks}: {run.header or 'no pallas_guard header line in the pytest log'}")
-        text, false = report(base, checked, source, jax_version, args.device)
+        text, false = report(base, checked, source, jax_version, args.device, without=without)
         print()
         print(text)
         if args.out:
