@@ -10,6 +10,7 @@ the CPU backend starts); they need libtpu (``.ci/run tpu``). The topology table 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from conftest import run_python
@@ -233,3 +234,36 @@ def test_a_slice_the_device_setting_names_is_the_one_compiled_for() -> None:
     assert note == (
         "compile: not checked for tpu-v5e: the device setting names the slice v5e:2x4 (8 devices), and the mesh has 4"
     )
+
+
+AHEAD_OF_TIME = """
+import json
+import numpy as np
+import jax
+import pallas_guard
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from pallas_guard._running import tpu_compile
+import sharded_corpus
+
+case = sharded_corpus.by_name()["ring.v5e.4"]
+devices = tpu_compile.topology_devices("tpu-v5e", 4)
+mesh = Mesh(np.array(devices, dtype=object), ("x",))
+shard = NamedSharding(mesh, P("x"))
+avals = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=shard) for x in case.inputs(4)]
+text = jax.jit(case.program(mesh)).lower(*avals).compile().as_text()
+print(json.dumps({"mosaic": "tpu_custom_call" in text, "callbacks": "callback" in text,
+                  "decisions": [(d.action, d.platforms) for d in pallas_guard.decisions()]}))
+"""
+
+
+@needs_libtpu
+def test_a_program_compiled_ahead_of_time_for_a_tpu_topology_is_left_to_the_tpu() -> None:
+    """From this CPU host, with the guard interpreting: a ring of remote DMAs inside ``shard_map``
+    over a v5e:2x2 topology's devices lowers for the TPU (the mesh in force says so), as libtpu
+    alone compiles it: a Mosaic kernel, no interpreter callbacks."""
+    here = Path(__file__).resolve().parent  # sharded_corpus
+    result = run_python(AHEAD_OF_TIME, env={"JAX_PLATFORMS": "cpu", "PALLAS_GUARD_POLICY": "interpret"}, cwd=here)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["mosaic"] is True and report["callbacks"] is False
+    assert all(action == "untouched" for action, _ in report["decisions"]), report["decisions"]

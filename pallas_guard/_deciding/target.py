@@ -44,11 +44,16 @@ def _platforms_source(value: str) -> str:
 
 
 def detect() -> Target:
-    """Where a kernel called now will lower: the platforms of a ``jax.export`` tracing it, else a
-    default-device scope, ``jax_platforms``, or the live backend."""
+    """Where a kernel called now will lower: the platforms of a ``jax.export`` tracing it, else the
+    devices of a mesh in force, a default-device scope, ``jax_platforms``, or the live backend."""
     exporting = jax_tracing.export_platforms()
     if exporting is not None:
         return _export_target(exporting)
+    in_mesh = jax_tracing.mesh_platform()
+    if in_mesh is not None and in_mesh[0] != "cpu":
+        # A program over an accelerator's devices (a TPU topology's, compiled ahead of time from
+        # this host): it lowers for them, whatever this process's default backend is.
+        return Target(in_mesh[0], (f"the mesh in force is of {in_mesh[1] or in_mesh[0]} devices",))
     device = jax_config.jax_config_value("jax_default_device")
     if device is not None:
         platform = _platform_of(device)

@@ -41,6 +41,24 @@ def export_platforms() -> tuple[str, ...] | None:
     return None
 
 
+def mesh_platform() -> tuple[str, str] | None:
+    """(platform, device kind) of the devices of the mesh in force (a ``shard_map`` body, a
+    ``jax.set_mesh`` scope, a program lowered for a TPU topology's devices); None where no mesh
+    with axes is in force, or it does not say."""
+    try:
+        import jax
+
+        mesh = jax.sharding.get_abstract_mesh()
+    except Exception:  # a jax without abstract meshes
+        return None
+    if mesh is None or getattr(mesh, "empty", True):
+        return None
+    device = getattr(mesh, "abstract_device", None)
+    kind = str(getattr(device, "device_kind", "") or "")
+    platform = getattr(device, "platform", None) or ("tpu" if kind.lower().startswith("tpu") else None)
+    return (str(platform), kind) if platform else None
+
+
 def running_in(module_names: frozenset[str]) -> bool:
     """True while a function of one of ``module_names`` is on this thread's stack."""
     frame: types.FrameType | None = sys._getframe(2)  # noqa: SLF001 - inspect.stack() reads source files

@@ -1,0 +1,311 @@
+"""Sharded and multi-chip TPU kernels, each a whole program over a mesh, and libtpu's verdict on it.
+
+Each case is a ``jax.shard_map`` program (or one of JAX's shipped collectives, which makes its own)
+over a one-axis mesh ``x``, for a TPU generation and a number of devices: kernels that ask their
+axis index, rings of remote DMAs and semaphores, JAX's ``all_gather``, a barrier, a VMEM verdict
+that follows the sharding, a dtype a generation cannot load, core-parallel semantics.
+
+``python tests/sharded_corpus.py --record`` (JAX_PLATFORMS=cpu, libtpu installed) compiles each
+whole program with libtpu for a deviceless topology of that many devices, the guard not installed
+(its topology helpers only), and writes what the compiler said to ``tests/data/sharded_verdicts.json``: the
+verdict, the error's type and first line, and the VMEM each kernel takes. The replay
+(``tests/test_sharded_corpus.py``) runs each program on as many CPU devices under the guard with
+``checks=compile,bounds,races`` and compares, kernel by kernel compile included, with the record.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+
+DATA = Path(__file__).resolve().parent / "data" / "sharded_verdicts.json"
+MIB = 1 << 20
+
+
+class Case(NamedTuple):
+    name: str
+    generation: str
+    devices: int
+    program: Callable[[Any], Callable[..., Any]]
+    """The whole program over a mesh with axis ``x`` of ``devices`` devices."""
+    inputs: Callable[[int], list[np.ndarray]]
+    """Its global inputs, each sharded along its first axis over ``x``."""
+    reference: Callable[[list[np.ndarray], int], np.ndarray] | None
+    """What it computes (None: the case is refused, or gives no checkable value)."""
+
+
+def _shard_map(body: Callable[..., Any], mesh: Any, out_spec: Any = None) -> Callable[..., Any]:
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    return jax.jit(
+        jax.shard_map(
+            body, mesh=mesh, in_specs=P("x"), out_specs=P("x") if out_spec is None else out_spec, check_vma=False
+        )
+    )
+
+
+def _tpu() -> Any:
+    from jax.experimental.pallas import tpu as pltpu
+
+    return pltpu
+
+
+# --- the kernels ------------------------------------------------------------------------------------
+
+
+def plus_index(x_ref, o_ref):  # type: ignore[no-untyped-def]
+    import jax
+
+    o_ref[...] = x_ref[...] + jax.lax.axis_index("x").astype(o_ref.dtype)
+
+
+def _plus_index(mesh: Any) -> Callable[..., Any]:
+    import jax
+    from jax.experimental import pallas as pl
+
+    def body(x: Any) -> Any:
+        return pl.pallas_call(plus_index, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
+
+    return _shard_map(body, mesh)
+
+
+def _rows(rows: int, lanes: int = 128, dtype: Any = np.float32) -> Callable[[int], list[np.ndarray]]:
+    def make(devices: int) -> list[np.ndarray]:
+        return [np.arange(devices * rows * lanes, dtype=np.float32).reshape(devices * rows, lanes).astype(dtype)]
+
+    return make
+
+
+def _plus_index_reference(rows: int) -> Callable[[list[np.ndarray], int], np.ndarray]:
+    def reference(inputs: list[np.ndarray], devices: int) -> np.ndarray:
+        (x,) = inputs
+        return x + np.repeat(np.arange(devices, dtype=x.dtype), rows)[:, None]
+
+    return reference
+
+
+def ring(x_ref, o_ref, send, recv, *, devices: int):  # type: ignore[no-untyped-def]
+    import jax
+
+    pltpu = _tpu()
+    right = jax.lax.rem(jax.lax.axis_index("x") + 1, devices)
+    copy = pltpu.make_async_remote_copy(
+        src_ref=x_ref, dst_ref=o_ref, send_sem=send, recv_sem=recv, device_id=(right,),
+        device_id_type=pltpu.DeviceIdType.MESH,
+    )  # fmt: skip
+    copy.start()
+    copy.wait()
+
+
+def _ring(mesh: Any) -> Callable[..., Any]:
+    import jax
+    from jax.experimental import pallas as pl
+
+    pltpu = _tpu()
+    devices = mesh.size
+
+    def body(x: Any) -> Any:
+        vmem = pl.BlockSpec(memory_space=pltpu.VMEM)
+        return pl.pallas_call(
+            functools.partial(ring, devices=devices),
+            out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+            in_specs=[vmem],
+            out_specs=vmem,
+            scratch_shapes=[pltpu.SemaphoreType.DMA, pltpu.SemaphoreType.DMA],
+        )(x)
+
+    return _shard_map(body, mesh)
+
+
+def _ring_reference(rows: int) -> Callable[[list[np.ndarray], int], np.ndarray]:
+    def reference(inputs: list[np.ndarray], devices: int) -> np.ndarray:
+        (x,) = inputs
+        blocks = x.reshape(devices, rows, -1)
+        return np.roll(blocks, 1, axis=0).reshape(x.shape)  # each device holds its left neighbour's block
+
+    return reference
+
+
+def barrier_then_copy(x_ref, o_ref, *, devices: int):  # type: ignore[no-untyped-def]
+    import jax
+    from jax.experimental import pallas as pl
+
+    pltpu = _tpu()
+    me = jax.lax.axis_index("x")
+    barrier = pltpu.get_barrier_semaphore()
+    for neighbour in (jax.lax.rem(me + 1, devices), jax.lax.rem(me + devices - 1, devices)):
+        pl.semaphore_signal(barrier, 1, device_id=(neighbour,), device_id_type=pltpu.DeviceIdType.MESH)
+    pl.semaphore_wait(barrier, 2)
+    o_ref[...] = x_ref[...] * 2
+
+
+def _barrier(mesh: Any) -> Callable[..., Any]:
+    import jax
+    from jax.experimental import pallas as pl
+
+    pltpu = _tpu()
+
+    def body(x: Any) -> Any:
+        return pl.pallas_call(
+            functools.partial(barrier_then_copy, devices=mesh.size),
+            out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+            compiler_params=pltpu.CompilerParams(collective_id=0),
+        )(x)
+
+    return _shard_map(body, mesh)
+
+
+def _all_gather(mesh: Any) -> Callable[..., Any]:
+    from jax.experimental.pallas.ops.tpu.all_gather import all_gather
+
+    return functools.partial(all_gather, mesh=mesh, axis_name="x")
+
+
+def _gathered(inputs: list[np.ndarray], devices: int) -> np.ndarray:
+    del devices
+    return inputs[0]
+
+
+def add_one(x_ref, o_ref):  # type: ignore[no-untyped-def]
+    o_ref[...] = x_ref[...] + 1
+
+
+def _add_one(mesh: Any) -> Callable[..., Any]:
+    import jax
+    from jax.experimental import pallas as pl
+
+    def body(x: Any) -> Any:
+        return pl.pallas_call(add_one, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
+
+    return _shard_map(body, mesh)
+
+
+def _plus_one(inputs: list[np.ndarray], devices: int) -> np.ndarray:
+    del devices
+    return inputs[0] + 1
+
+
+def _core_parallel(mesh: Any) -> Callable[..., Any]:
+    import jax
+    from jax.experimental import pallas as pl
+
+    pltpu = _tpu()
+
+    def body(x: Any) -> Any:
+        spec = pl.BlockSpec((8, 128), lambda i: (i, 0))
+        return pl.pallas_call(
+            add_one,
+            out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+            grid=(x.shape[0] // 8,),
+            in_specs=[spec],
+            out_specs=spec,
+            compiler_params=pltpu.CompilerParams(dimension_semantics=("core_parallel",)),
+        )(x)
+
+    return _shard_map(body, mesh)
+
+
+GLOBAL_24MIB_ROWS = 24 * MIB // (1024 * 4)
+"""A float32 array of 24 MiB, 1024 lanes wide: its shard and its output's are 24 MiB together on 2
+devices (over v5e's 16 MiB scoped limit) and 12 MiB on 4."""
+
+
+def _global_rows(rows: int, lanes: int) -> Callable[[int], list[np.ndarray]]:
+    def make(devices: int) -> list[np.ndarray]:
+        return [np.ones((rows, lanes), np.float32)]
+
+    return make
+
+
+CASES: list[Case] = [
+    *(Case(f"axis_index.v5e.{n}", "tpu-v5e", n, _plus_index, _rows(8), _plus_index_reference(8)) for n in (2, 4, 8)),
+    Case("axis_index.v6e.4", "tpu-v6e", 4, _plus_index, _rows(8), _plus_index_reference(8)),
+    Case("axis_index.v5p.8", "tpu-v5p", 8, _plus_index, _rows(8), _plus_index_reference(8)),
+    *(Case(f"ring.v5e.{n}", "tpu-v5e", n, _ring, _rows(8), _ring_reference(8)) for n in (2, 4)),
+    Case("ring.v4.4", "tpu-v4", 4, _ring, _rows(8), _ring_reference(8)),
+    Case("barrier.v5e.4", "tpu-v5e", 4, _barrier, _rows(8), lambda inputs, n: inputs[0] * 2),
+    Case("all_gather.v5e.4", "tpu-v5e", 4, _all_gather, _rows(8), _gathered),
+    *(
+        Case(f"vmem_by_sharding.v5e.{n}", "tpu-v5e", n, _add_one, _global_rows(GLOBAL_24MIB_ROWS, 1024), _plus_one)
+        for n in (2, 4)
+    ),
+    *(Case(f"float16.{g}.4", f"tpu-{g}", 4, _add_one, _rows(8, dtype=np.float16), _plus_one) for g in ("v5e", "v6e")),
+    *(
+        Case(f"core_parallel.{g}.2", f"tpu-{g}", 2, _core_parallel, _rows(16), _plus_one)
+        for g in ("v5e", "v6e", "v4", "v5p")
+    ),
+]
+
+
+def by_name() -> dict[str, Case]:
+    return {case.name: case for case in CASES}
+
+
+# --- the record: libtpu on each whole program ------------------------------------------------------
+
+
+def record_one(case: Case) -> dict[str, Any]:
+    """libtpu's verdict on ``case``'s whole program, compiled for a topology of its devices."""
+    import jax
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from pallas_guard._deciding import device as _device
+    from pallas_guard._running import tpu_compile as _tpu_compile
+
+    devices = _tpu_compile.topology_devices(case.generation, case.devices)
+    if isinstance(devices, str):
+        return {"verdict": "no topology", "why": devices}
+    topology_for = _tpu_compile.topology_for(case.generation, case.devices)
+    mesh = Mesh(np.array(devices, dtype=object), ("x",))
+    sharding = NamedSharding(mesh, P("x"))
+    avals = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding) for x in case.inputs(case.devices)]
+    try:
+        with _device.presented(case.generation, like=devices[0]):
+            compiled = jax.jit(case.program(mesh)).lower(*avals).compile()
+    except Exception as error:  # the compiler's refusal, as the chip would give it
+        return {
+            "verdict": "refused",
+            "topology": topology_for[0] if isinstance(topology_for, tuple) else None,
+            "error_type": type(error).__name__,
+            "first_line": _tpu_compile.first_line(error),
+        }
+    usage = _tpu_compile.memory(compiled.as_text() or "", case.generation)
+    return {
+        "verdict": "compiles",
+        "topology": topology_for[0] if isinstance(topology_for, tuple) else None,
+        "vmem_used": usage.vmem_used,
+        "vmem_limit": usage.vmem_limit,
+    }
+
+
+def record() -> None:
+    import importlib.metadata
+
+    import pallas_guard
+
+    pallas_guard.uninstall()  # importing it installs it: the record is libtpu's alone
+
+    versions = {name: importlib.metadata.version(name) for name in ("jax", "jaxlib", "libtpu")}
+    verdicts = {case.name: record_one(case) for case in CASES}
+    DATA.write_text(json.dumps({"versions": versions, "cases": verdicts}, indent=1, sort_keys=True) + "\n")
+    for name, verdict in verdicts.items():
+        print(name, verdict)
+
+
+def recorded() -> dict[str, Any]:
+    cases: dict[str, Any] = json.loads(DATA.read_text())["cases"]
+    return cases
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--record"]:
+        sys.exit("usage: JAX_PLATFORMS=cpu python tests/sharded_corpus.py --record")
+    record()
