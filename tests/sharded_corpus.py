@@ -57,6 +57,13 @@ def _tpu() -> Any:
     return pltpu
 
 
+def _mesh_ids() -> Any:
+    """Device ids as positions in the mesh (``pltpu.DeviceIdType``, ``pl.DeviceIdType`` since 0.11)."""
+    from jax.experimental import pallas as pl
+
+    return (getattr(_tpu(), "DeviceIdType", None) or pl.DeviceIdType).MESH
+
+
 # --- the kernels ------------------------------------------------------------------------------------
 
 
@@ -98,7 +105,7 @@ def ring(x_ref, o_ref, send, recv, *, devices: int):  # type: ignore[no-untyped-
     right = jax.lax.rem(jax.lax.axis_index("x") + 1, devices)
     copy = pltpu.make_async_remote_copy(
         src_ref=x_ref, dst_ref=o_ref, send_sem=send, recv_sem=recv, device_id=(right,),
-        device_id_type=pltpu.DeviceIdType.MESH,
+        device_id_type=_mesh_ids(),
     )  # fmt: skip
     copy.start()
     copy.wait()
@@ -141,7 +148,7 @@ def barrier_then_copy(x_ref, o_ref, *, devices: int):  # type: ignore[no-untyped
     me = jax.lax.axis_index("x")
     barrier = pltpu.get_barrier_semaphore()
     for neighbour in (jax.lax.rem(me + 1, devices), jax.lax.rem(me + devices - 1, devices)):
-        pl.semaphore_signal(barrier, 1, device_id=(neighbour,), device_id_type=pltpu.DeviceIdType.MESH)
+        pl.semaphore_signal(barrier, 1, device_id=(neighbour,), device_id_type=_mesh_ids())
     pl.semaphore_wait(barrier, 2)
     o_ref[...] = x_ref[...] * 2
 

@@ -197,3 +197,71 @@ def test_host_code_inside_shard_map_is_told_the_device_setting() -> None:
         pytest.skip("this jax has no pltpu.create_tensorcore_mesh")
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads(result.stdout.strip().splitlines()[-1]) == {"cores": 2, "mesh": ["x"]}
+
+
+RING = """
+import inspect, json, sys
+import jax, jax.numpy as jnp, numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.sharding import Mesh, PartitionSpec as P
+import pallas_guard
+
+shard_map = getattr(jax, "shard_map", None)
+if shard_map is None:
+    from jax.experimental.shard_map import shard_map
+parameters = inspect.signature(shard_map).parameters
+no_check = {"check_vma": False} if "check_vma" in parameters else {"check_rep": False}
+devices = jax.device_count()
+mesh = Mesh(np.array(jax.devices()), ("x",))
+waits_for_its_receive = sys.argv[1] == "waits"
+
+def ring(x_ref, o_ref, send, recv):
+    right = jax.lax.rem(jax.lax.axis_index("x") + 1, devices)
+    copy = pltpu.make_async_remote_copy(
+        src_ref=x_ref, dst_ref=o_ref, send_sem=send, recv_sem=recv, device_id=(right,),
+        device_id_type=(getattr(pltpu, "DeviceIdType", None) or pl.DeviceIdType).MESH,
+    )
+    copy.start()
+    if waits_for_its_receive:
+        copy.wait()
+    else:
+        copy.wait_send()  # its block may still be arriving when the kernel ends
+
+def body(x):
+    vmem = pl.BlockSpec(memory_space=pltpu.VMEM)
+    return pl.pallas_call(ring, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), in_specs=[vmem], out_specs=vmem,
+                          scratch_shapes=[pltpu.SemaphoreType.DMA, pltpu.SemaphoreType.DMA])(x)
+
+x = jnp.repeat(jnp.arange(devices, dtype=jnp.float32), 8 * 128).reshape(devices * 8, 128)
+try:
+    out = jax.jit(shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x"), **no_check))(x)
+    print(json.dumps({"received": [float(v) for v in np.asarray(out)[::8, 0]]}))
+except pallas_guard.PallasGuardError as error:
+    print(json.dumps({"found": str(error).splitlines()[0]}))
+"""
+
+
+@pytest.mark.parametrize("waits", [True, False], ids=["waits for its receive", "never waits for its receive"])
+def test_a_race_across_devices_is_found_without_hanging_the_process(waits: bool) -> None:
+    """Each device runs the kernel in a thread of TPU interpret mode, which waits for all of them at
+    the end: the finding is raised once the computation is done (a subprocess timeout fails the
+    test where it would hang)."""
+    if not interpreters.available("tpu"):
+        pytest.skip("this jax has no TPU interpret mode")
+    result = run_python(
+        RING.replace("sys.argv[1]", repr("waits" if waits else "no")),
+        env={
+            "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+            "JAX_PLATFORMS": "cpu",
+            "PALLAS_GUARD_POLICY": "interpret",
+            "PALLAS_GUARD_CHECKS": "races",
+        },
+        timeout=180,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    if waits:
+        assert report == {"received": [3.0, 0.0, 1.0, 2.0]}
+    else:
+        assert report["found"].startswith("pallas_guard: a data race was detected in Pallas kernel 'ring'")

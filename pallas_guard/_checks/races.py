@@ -26,6 +26,7 @@ from pallas_guard._checks.dma_table import Instrumented, Unsupported
 from pallas_guard._deciding import diagnostics as _diagnostics
 from pallas_guard._jax import pallas as jax_pallas
 from pallas_guard._jax import state as jax_state
+from pallas_guard._jax import tracing as jax_tracing
 from pallas_guard._running import findings as _findings
 from pallas_guard._vocabulary import record as _record
 from pallas_guard._vocabulary import settings as _settings
@@ -222,10 +223,23 @@ def check(out: Any, *, kernel: _diagnostics.KernelInfo, call_site: _diagnostics.
         if found is not None:
             _findings.record(found)
 
+    def raise_if_race() -> None:
+        found = finding()
+        if found is not None:
+            raise found
+
     leaves = jax.tree_util.tree_leaves(out)
     if not leaves:
         return
     if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
+        mesh = jax_tracing.manual_mesh()
+        if mesh is not None and math.prod(mesh[1]) > 1:
+            # Inside shard_map each device runs the kernel in a thread of its own, and TPU interpret
+            # mode waits for all of them at the end: a callback that raised would leave the others
+            # waiting for ever. The finding is handed over, raised once the computation is done.
+            gate = _findings.await_gate()
+            jax.debug.callback(lambda *_: _findings.hand_over(gate, raise_if_race), leaves[0])
+            return
         jax.debug.callback(record_if_race, leaves[0])
         return
     jax.block_until_ready(out)  # type: ignore[no-untyped-call]
