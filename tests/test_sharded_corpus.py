@@ -6,7 +6,8 @@ installed (``tests/data/sharded_verdicts.json``). Here each runs on as many CPU 
 kernel on its own, inside a ``shard_map`` over a topology of the mesh's size. A case the compiler
 refused is the compile check's finding, of the refusal's type and with its first line; a case it
 compiled runs interpreted to the value it computes, with the VMEM figure the record has. Needs
-libtpu (``.ci/run tpu``).
+libtpu (``.ci/run tpu``). The one-device v5e cases were also run on a real TPU v5e
+(``tests/data/sharded_on_a_v5e.json``): the record's verdicts are the chip's.
 """
 
 from __future__ import annotations
@@ -80,18 +81,20 @@ def test_the_guard_gives_libtpus_verdict_on_every_sharded_program(devices: int) 
     for name in names:
         expected, got = recorded[name], replayed[name]
         label = f"{name} ({expected['topology']})"
+        generation = sharded_corpus.by_name()[name].generation
+        # One device is one chip: the kernel is compiled alone (no mesh to name).
+        where = f" ({expected['topology']}, per shard of a mesh x={devices})" if devices > 1 else ""
         if expected["verdict"] == "refused":
             assert "refused" in got, f"{label}: libtpu refuses it, the guard ran it: {got}"
             assert expected["error_type"] in got["types"], f"{label}: {got['types']}"
             said = " ".join(got["refused"].split())  # the finding keeps the refusal's own line breaks
             assert " ".join(expected["first_line"].split())[:80] in said, f"{label}: {said[:600]}"
-            assert f"{expected['topology']}, per shard of a mesh x={devices}" in got["refused"]
+            assert f"for {generation}{where} (" in got["refused"], f"{label}: {got['refused'][:600]}"
             continue
         assert expected["verdict"] == "compiles", f"{label}: {expected}"
         assert got.get("right") is True, f"{label}: libtpu compiles it; the guard: {got}"
         (note,) = got["notes"]
-        generation = sharded_corpus.by_name()[name].generation
-        heading = f"compile: compiles for {generation} ({expected['topology']}, per shard of a mesh x={devices}): "
+        heading = f"compile: compiles for {generation}{where}: "
         assert note.startswith(heading), f"{label}: {note}"
         assert ["VMEM", expected["vmem_used"], expected["vmem_limit"]] in got["memory"], f"{label}: {got['memory']}"
 
@@ -103,3 +106,21 @@ def test_the_record_covers_every_case_and_each_verdict_kind() -> None:
     refused = {v["error_type"] for v in recorded.values() if v["verdict"] == "refused"}
     assert refused == {"JaxRuntimeError", "MosaicError"}
     assert sum(v["verdict"] == "compiles" for v in recorded.values()) >= 10
+
+
+def test_on_one_chip_the_deviceless_record_is_the_real_tpus_verdict() -> None:
+    """The one-device v5e cases, run on a real TPU v5e with JAX alone (``--on-chip``): what libtpu
+    said on this CPU is what the chip said, and what it ran it computed rightly."""
+    chip, deviceless = sharded_corpus.on_chip(), sharded_corpus.recorded()
+    one_chip = [c.name for c in sharded_corpus.CASES if c.devices == 1 and c.generation == "tpu-v5e"]
+    assert sorted(chip) == sorted(one_chip) and len(one_chip) >= 6
+    for name in one_chip:
+        on_the_chip, here = chip[name], deviceless[name]
+        if on_the_chip["verdict"] == "ran":
+            assert on_the_chip["right"] is True, name
+            assert here["verdict"] == "compiles", name
+            continue
+        assert here["verdict"] == "refused", name
+        assert here["error_type"] == on_the_chip["error_type"], name
+        # The same refusal, up to the HLO instruction's name ("%body.1" on the chip's program).
+        assert here["first_line"].split(" for %")[0][:120] == on_the_chip["first_line"].split(" for %")[0][:120], name

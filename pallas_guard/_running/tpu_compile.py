@@ -393,9 +393,8 @@ def start_compile(
     import jax
 
     # The topology's mesh in force in place of any the user set for this host's devices.
-    mesh_scope = (
-        jax_tracing.in_mesh(sharding.mesh) if mesh is not None and mesh.devices > 1 else contextlib.nullcontext()
-    )
+    topology_mesh = getattr(sharding, "mesh", None)
+    mesh_scope = jax_tracing.in_mesh(topology_mesh) if topology_mesh is not None else contextlib.nullcontext()
 
     avals, kwavals = _placed((args, kwargs), sharding)
     start = time.perf_counter()
@@ -437,16 +436,18 @@ def _on_the_topology(
     called in a ``mesh`` (each device given the per-shard operands the kernel sees); or why not."""
     import jax
 
-    if mesh is None or mesh.devices == 1:
+    devices = topology_devices(generation, mesh.devices, named) if mesh is not None and not keywords else None
+    if mesh is None or (mesh.devices == 1 and (keywords or isinstance(devices, str))):
+        # Alone on one chip; inside a one-device shard_map too where no one-device slice exists
+        # (a tpu7x chip is two devices): a kernel that asks its axis index is then refused.
         device = topology_device(generation)
         if isinstance(device, str):
             return device
         return build(), jax.sharding.SingleDeviceSharding(device), device
     if keywords:
         return "a kernel inside shard_map called with keyword arguments is not compiled for a topology"
-    devices = topology_devices(generation, mesh.devices, named)
-    if isinstance(devices, str):
-        return devices
+    if isinstance(devices, str) or devices is None:
+        return devices or "no topology"
     import numpy as np
 
     topology_mesh = jax.sharding.Mesh(np.array(devices, dtype=object).reshape(mesh.sizes), mesh.names)
