@@ -74,7 +74,9 @@ def whole_program(case):
     return time.perf_counter() - start
 
 recorded = sharded_corpus.recorded() if with_compile else {}
-compiled = [c for c in sharded_corpus.CASES if c.devices == devices and recorded.get(c.name, {}).get("verdict") == "compiles"]
+compiled = [
+    c for c in sharded_corpus.CASES if c.devices == devices and recorded.get(c.name, {}).get("verdict") == "compiles"
+]
 if compiled:  # the compile path's own first use in this process (imports, libtpu), untimed
     whole_program(compiled[0])
     first_call(compiled[0], "compile")
