@@ -319,6 +319,8 @@ _DEVICE_WORDS.update({"tpu v5e": "tpu-v5e", "tpu v5": "tpu-v5p", "tpu v6e": "tpu
 
 TPU_SLICE_DIMS = {"tpu-v4": 3, "tpu-v5e": 2, "tpu-v5p": 3, "tpu-v6e": 2, "tpu7x": 3}
 """How many dimensions a slice of each TPU generation has (``v5e:2x4``, ``v5p:2x2x2``)."""
+TPU_DEVICES_PER_CHIP = {"tpu7x": 2}
+"""JAX presents each of a tpu7x chip's two TensorCores as a device (measured: ``tpu7x:2x2x1`` has 8)."""
 _MAX_SLICE_SIDE = 64
 
 

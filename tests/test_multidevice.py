@@ -265,3 +265,37 @@ def test_a_race_across_devices_is_found_without_hanging_the_process(waits: bool)
         assert report == {"received": [3.0, 0.0, 1.0, 2.0]}
     else:
         assert report["found"].startswith("pallas_guard: a data race was detected in Pallas kernel 'ring'")
+
+
+@pytest.mark.parametrize(
+    ("xla_flags", "started_first", "devices"),
+    [(None, False, 8), ("--xla_force_host_platform_device_count=2", False, 2), (None, True, 1)],
+    ids=["given the slice's devices", "the user's own count kept", "started before: told what to set"],
+)
+def test_a_slice_the_device_setting_names_is_simulated_on_the_cpu(
+    xla_flags: str | None, started_first: bool, devices: int
+) -> None:
+    """``PALLAS_GUARD_DEVICE=tpu-v5e:2x4``: the CPU backend, not started yet, gets the slice's 8
+    devices (what a user would set by hand); a count of the user's stays; a backend started before
+    the guard stays as it is, and a warning says what to set."""
+    code = f"""
+import jax
+if {started_first}:
+    jax.devices()
+import pallas_guard
+from jax.experimental import pallas as pl
+print(jax.device_count())
+"""
+    result = run_python(
+        code,
+        env={
+            "JAX_PLATFORMS": "cpu",
+            "PALLAS_GUARD_POLICY": "interpret",
+            "PALLAS_GUARD_DEVICE": "tpu-v5e:2x4",
+            "XLA_FLAGS": xla_flags,
+        },
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert int(result.stdout.strip().splitlines()[-1]) == devices
+    told = "XLA_FLAGS=--xla_force_host_platform_device_count=8" in result.stderr
+    assert told is started_first, result.stderr[-2000:]

@@ -13,7 +13,10 @@ always wins: the guard never replaces one. Nothing else changes: ``jax.devices()
 from __future__ import annotations
 
 import contextlib
+import math
+import os
 import threading
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,7 +24,8 @@ from pallas_guard._deciding import target as _target
 from pallas_guard._jax import config as jax_config
 from pallas_guard._vocabulary import settings as _settings
 from pallas_guard._vocabulary.enums import Policy
-from pallas_guard_autoload import DEVICES, device_list
+from pallas_guard._vocabulary.errors import PallasGuardWarning
+from pallas_guard_autoload import DEVICES, TPU_DEVICES_PER_CHIP, device_list, device_slice
 
 
 def abstract_device(name: str, *, like: Any = None) -> Any:
@@ -94,6 +98,8 @@ class _Process:
         self.ours: Any = None
         self.previous: Any = None
         self.device: str | None = None
+        self.simulated: tuple[str, tuple[int, ...]] | None = None
+        """The slice whose devices the CPU backend was given (or warned of), once per process."""
 
 
 _process = _Process()
@@ -106,6 +112,7 @@ def apply() -> None:
     if holder is None:
         return
     device = wanted()
+    simulate_slice()
     with _process.lock:
         if device == _process.device:
             return
@@ -117,6 +124,42 @@ def apply() -> None:
         if device is not None and _free(current):
             _process.ours, _process.previous, _process.device = _abstract_mesh(device), current, device
             holder.set_global(_process.ours)
+
+
+def simulate_slice() -> None:
+    """Where the device setting names a TPU slice (``tpu-v5e:2x4``) and the guard interprets on a
+    CPU target: the CPU backend, not started yet, gets as many devices as the slice has
+    (``jax_num_cpu_devices``), so that a mesh of the slice's shape can be made of them, unless the
+    user asked for a count (``XLA_FLAGS``, ``jax_num_cpu_devices``). Started with fewer: a warning,
+    once, says what to set."""
+    device = wanted()
+    setting = _settings.current("device").value
+    shape = device_slice(setting, device) if device is not None else None
+    if device is None or shape is None or _process.simulated == (device, shape):
+        return
+    _process.simulated = (device, shape)
+    count = math.prod(shape) * TPU_DEVICES_PER_CHIP.get(device, 1)
+    import jax
+
+    named = f"{device}:{'x'.join(map(str, shape))}"
+    if jax_config.backends_initialized():
+        cpus = len(jax.devices("cpu"))
+        if cpus < count:
+            text = (
+                f"pallas_guard: the device setting names the slice {named} ({count} devices), and this process's "
+                f"CPU backend started with {cpus}: a mesh of the slice's shape cannot be made. Set "
+                f"XLA_FLAGS=--xla_force_host_platform_device_count={count} (or "
+                f"jax.config.update('jax_num_cpu_devices', {count})) before JAX starts its backends."
+            )
+            # Said where it is installed or Pallas imported: never turned into their failure.
+            with contextlib.suppress(Warning):
+                warnings.warn(text, PallasGuardWarning, stacklevel=3)
+        return
+    config: Any = jax.config
+    asked = "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "")
+    if asked or getattr(config, "jax_num_cpu_devices", -1) >= 0:
+        return  # the user's own count
+    config.update("jax_num_cpu_devices", count)
 
 
 def undo() -> None:

@@ -34,7 +34,7 @@ from typing import Any, NamedTuple
 from pallas_guard._deciding import device as _device
 from pallas_guard._jax import lookup as jax_lookup
 from pallas_guard._jax import tracing as jax_tracing
-from pallas_guard_autoload import TPU_SLICE_DIMS
+from pallas_guard_autoload import TPU_DEVICES_PER_CHIP, TPU_SLICE_DIMS
 
 
 class Generation(NamedTuple):
@@ -204,8 +204,6 @@ def _make_device(generation: str) -> Any:
 
 _CHIPS_2D = {1: (1, 1), 2: (2, 1), 4: (2, 2), 8: (2, 4), 16: (4, 4), 32: (4, 8), 64: (8, 8)}
 _CHIPS_3D = {1: (1, 1, 1), 2: (2, 1, 1), 4: (2, 2, 1), 8: (2, 2, 2), 16: (2, 2, 4), 32: (2, 4, 4), 64: (4, 4, 4)}
-_DEVICES_PER_CHIP = {"tpu7x": 2}
-"""JAX presents each of a tpu7x chip's two TensorCores as a device (measured: ``tpu7x:2x2x1`` has 8)."""
 _meshes: dict[tuple[str, str], Any] = {}
 
 
@@ -218,7 +216,7 @@ def topology_for(
     spec = GENERATIONS.get(generation)
     if spec is None:
         return f"no TPU topology for {generation!r} (known: {', '.join(GENERATIONS)})"
-    per_chip = _DEVICES_PER_CHIP.get(generation, 1)
+    per_chip = TPU_DEVICES_PER_CHIP.get(generation, 1)
     three_d = TPU_SLICE_DIMS.get(generation) == 3
     prefix = spec.topology.split(":")[0]
     if named is not None:
