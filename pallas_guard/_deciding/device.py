@@ -132,10 +132,11 @@ def simulate_slice() -> None:
     (``jax_num_cpu_devices``), so that a mesh of the slice's shape can be made of them, unless the
     user asked for a count (``XLA_FLAGS``, ``jax_num_cpu_devices``). Started with fewer: a warning,
     once, says what to set."""
-    device = wanted()
-    setting = _settings.current("device").value
-    shape = device_slice(setting, device) if device is not None else None
-    if device is None or shape is None or _process.simulated == (device, shape):
+    device = wanted()  # None where a setting's value is bad: the first kernel raises it
+    if device is None:
+        return
+    shape = device_slice(_settings.current("device").value, device)
+    if shape is None or _process.simulated == (device, shape):
         return
     _process.simulated = (device, shape)
     count = math.prod(shape) * TPU_DEVICES_PER_CHIP.get(device, 1)
