@@ -321,6 +321,16 @@ TPU_SLICE_DIMS = {"tpu-v4": 3, "tpu-v5e": 2, "tpu-v5p": 3, "tpu-v6e": 2, "tpu7x"
 """How many dimensions a slice of each TPU generation has (``v5e:2x4``, ``v5p:2x2x2``)."""
 TPU_DEVICES_PER_CHIP = {"tpu7x": 2}
 """JAX presents each of a tpu7x chip's two TensorCores as a device (measured: ``tpu7x:2x2x1`` has 8)."""
+
+
+def slice_devices(generation: str, shape: "tuple[int, ...]") -> int:
+    """How many devices JAX sees on a slice of ``generation`` of ``shape`` chips."""
+    devices = TPU_DEVICES_PER_CHIP.get(generation, 1)
+    for side in shape:
+        devices *= side
+    return devices
+
+
 _MAX_SLICE_SIDE = 64
 
 

@@ -79,20 +79,26 @@ def test_guarded_kernel_inside_shard_map_on_four_cpu_devices() -> None:
     assert "would lower for the CPU without interpret=" in report["strict"]
 
 
-SCATTER = """
-import inspect, json
-import pallas_guard
+SHARD_MAP = """
+import inspect, json, sys
 import jax, jax.numpy as jnp, numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import Mesh, PartitionSpec as P
+import pallas_guard
 
 shard_map = getattr(jax, "shard_map", None)
 if shard_map is None:
     from jax.experimental.shard_map import shard_map
 parameters = inspect.signature(shard_map).parameters
 no_check = {"check_vma": False} if "check_vma" in parameters else {"check_rep": False}
-ANY = getattr(pl, "ANY", None) or pltpu.ANY
+"""
+"""What each program below starts with: the imports, and ``shard_map`` where this jax keeps it."""
+
+
+SCATTER = (
+    SHARD_MAP
+    + """ANY = getattr(pl, "ANY", None) or pltpu.ANY
 
 def scatter_rows(slices_ref, new_ref, cache_ref, out_ref, sem):
     # Copies of a length read at run time: the plain interpreter cannot slice them.
@@ -130,6 +136,7 @@ expected[0:2], expected[8:11] = new[0:2], new[2:5]
 print(json.dumps({"right": bool((out == expected).all()), "interpreter": decision.interpreter,
                   "reason": decision.reason}))
 """
+)
 
 
 def test_a_kernel_only_tpu_interpret_mode_runs_is_tried_inside_its_shard_map() -> None:
@@ -152,19 +159,9 @@ def test_a_kernel_only_tpu_interpret_mode_runs_is_tried_inside_its_shard_map() -
     assert "tried plain: failed" in report["reason"]
 
 
-ASKED_INSIDE = """
-import inspect, json
-import jax, jax.numpy as jnp, numpy as np
-from jax.experimental.pallas import tpu as pltpu
-from jax.sharding import Mesh, PartitionSpec as P
-import pallas_guard
-
-shard_map = getattr(jax, "shard_map", None)
-if shard_map is None:
-    from jax.experimental.shard_map import shard_map
-parameters = inspect.signature(shard_map).parameters
-no_check = {"check_vma": False} if "check_vma" in parameters else {"check_rep": False}
-asked = {}
+ASKED_INSIDE = (
+    SHARD_MAP
+    + """asked = {}
 
 def body(x):
     try:
@@ -178,6 +175,7 @@ mesh = Mesh(np.array(jax.devices()), ("x",))
 jax.jit(shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x"), **no_check))(jnp.zeros((4, 8)))
 print(json.dumps(asked))
 """
+)
 
 
 def test_host_code_inside_shard_map_is_told_the_device_setting() -> None:
@@ -199,20 +197,9 @@ def test_host_code_inside_shard_map_is_told_the_device_setting() -> None:
     assert json.loads(result.stdout.strip().splitlines()[-1]) == {"cores": 2, "mesh": ["x"]}
 
 
-RING = """
-import inspect, json, sys
-import jax, jax.numpy as jnp, numpy as np
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
-from jax.sharding import Mesh, PartitionSpec as P
-import pallas_guard
-
-shard_map = getattr(jax, "shard_map", None)
-if shard_map is None:
-    from jax.experimental.shard_map import shard_map
-parameters = inspect.signature(shard_map).parameters
-no_check = {"check_vma": False} if "check_vma" in parameters else {"check_rep": False}
-devices = jax.device_count()
+RING = (
+    SHARD_MAP
+    + """devices = jax.device_count()
 mesh = Mesh(np.array(jax.devices()), ("x",))
 waits_for_its_receive = sys.argv[1] == "waits"
 
@@ -240,6 +227,7 @@ try:
 except pallas_guard.PallasGuardError as error:
     print(json.dumps({"found": str(error).splitlines()[0]}))
 """
+)
 
 
 @pytest.mark.parametrize("waits", [True, False], ids=["waits for its receive", "never waits for its receive"])
@@ -299,3 +287,18 @@ print(jax.device_count())
     assert int(result.stdout.strip().splitlines()[-1]) == devices
     told = "XLA_FLAGS=--xla_force_host_platform_device_count=8" in result.stderr
     assert told is started_first, result.stderr[-2000:]
+
+
+def test_uninstall_before_the_backend_starts_gives_the_cpu_its_own_device_count_back() -> None:
+    code = """
+import jax
+import pallas_guard
+pallas_guard.install("interpret", device="tpu-v5e:2x4")
+from jax.experimental import pallas as pl
+given = jax.config.jax_num_cpu_devices
+pallas_guard.uninstall()
+print(given, jax.config.jax_num_cpu_devices, jax.device_count())
+"""
+    result = run_python(code, env={"JAX_PLATFORMS": "cpu", "XLA_FLAGS": None, "PALLAS_GUARD_POLICY": None})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split()[-3:] == ["8", "-1", "1"]

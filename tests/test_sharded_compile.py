@@ -267,3 +267,15 @@ def test_a_program_compiled_ahead_of_time_for_a_tpu_topology_is_left_to_the_tpu(
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["mosaic"] is True and report["callbacks"] is False
     assert all(action == "untouched" for action, _ in report["decisions"]), report["decisions"]
+
+
+def test_slices_of_one_size_keep_their_compiles_apart_on_disk() -> None:
+    """Two slices of 8 chips lower a kernel to the same text; what each compiles is kept apart."""
+
+    class Lowered:
+        @staticmethod
+        def as_text() -> str:
+            return "module @kernel {}"
+
+    files = {where: _tpu_compile._verdict_file(Lowered(), "tpu-v5p", where) for where in ("v5p:2x2x2", "v5p:2x4x1")}
+    assert None not in files.values() and len(set(files.values())) == 2

@@ -13,7 +13,6 @@ always wins: the guard never replaces one. Nothing else changes: ``jax.devices()
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import threading
 import warnings
@@ -22,10 +21,11 @@ from typing import Any
 
 from pallas_guard._deciding import target as _target
 from pallas_guard._jax import config as jax_config
+from pallas_guard._jax import tracing as jax_tracing
 from pallas_guard._vocabulary import settings as _settings
 from pallas_guard._vocabulary.enums import Policy
 from pallas_guard._vocabulary.errors import PallasGuardWarning
-from pallas_guard_autoload import DEVICES, TPU_DEVICES_PER_CHIP, device_list, device_slice
+from pallas_guard_autoload import DEVICES, device_list, device_slice, slice_devices
 
 
 def abstract_device(name: str, *, like: Any = None) -> Any:
@@ -99,7 +99,9 @@ class _Process:
         self.previous: Any = None
         self.device: str | None = None
         self.simulated: tuple[str, tuple[int, ...]] | None = None
-        """The slice whose devices the CPU backend was given (or warned of), once per process."""
+        """The slice whose devices the CPU backend was given (or warned of), once per install."""
+        self.cpu_devices: int | None = None
+        """The ``jax_num_cpu_devices`` the guard set, put back by uninstall where no backend started."""
 
 
 _process = _Process()
@@ -112,7 +114,7 @@ def apply() -> None:
     if holder is None:
         return
     device = wanted()
-    simulate_slice()
+    simulate_slice(device)
     with _process.lock:
         if device == _process.device:
             return
@@ -126,20 +128,20 @@ def apply() -> None:
             holder.set_global(_process.ours)
 
 
-def simulate_slice() -> None:
+def simulate_slice(device: str | None) -> None:
     """Where the device setting names a TPU slice (``tpu-v5e:2x4``) and the guard interprets on a
-    CPU target: the CPU backend, not started yet, gets as many devices as the slice has
-    (``jax_num_cpu_devices``), so that a mesh of the slice's shape can be made of them, unless the
-    user asked for a count (``XLA_FLAGS``, ``jax_num_cpu_devices``). Started with fewer: a warning,
-    once, says what to set."""
-    device = wanted()  # None where a setting's value is bad: the first kernel raises it
+    CPU target (``device``, as :func:`wanted` gives it: None where a setting's value is bad, which
+    the first kernel raises): the CPU backend, not started yet, gets as many devices as the slice
+    has (``jax_num_cpu_devices``), so that a mesh of the slice's shape can be made of them, unless
+    the user asked for a count (``XLA_FLAGS``, ``jax_num_cpu_devices``). Started with fewer: a
+    warning, once, says what to set."""
     if device is None:
         return
     shape = device_slice(_settings.current("device").value, device)
     if shape is None or _process.simulated == (device, shape):
         return
     _process.simulated = (device, shape)
-    count = math.prod(shape) * TPU_DEVICES_PER_CHIP.get(device, 1)
+    count = slice_devices(device, shape)
     import jax
 
     named = f"{device}:{'x'.join(map(str, shape))}"
@@ -161,15 +163,24 @@ def simulate_slice() -> None:
     if asked or getattr(config, "jax_num_cpu_devices", -1) >= 0:
         return  # the user's own count
     config.update("jax_num_cpu_devices", count)
+    _process.cpu_devices = count
 
 
 def undo() -> None:
-    """Put back what the guard replaced (uninstall)."""
+    """Put back what the guard replaced (uninstall): the abstract mesh, and the CPU device count it
+    set where no backend has started with it yet."""
     holder = jax_config.abstract_mesh_config()
     with _process.lock:
         if holder is not None and _process.ours is not None and holder.get_global() is _process.ours:
             holder.set_global(_process.previous)
         _process.ours = _process.previous = _process.device = None
+        if _process.cpu_devices is not None and not jax_config.backends_initialized():
+            import jax
+
+            config: Any = jax.config
+            if getattr(config, "jax_num_cpu_devices", -1) == _process.cpu_devices:
+                config.update("jax_num_cpu_devices", -1)
+        _process.simulated = _process.cpu_devices = None
 
 
 @contextlib.contextmanager
@@ -180,12 +191,13 @@ def answering() -> Iterator[None]:
     device, as outside any mesh. A mesh of the user's on a real accelerator stays as it is."""
     holder = jax_config.abstract_mesh_config()
     device = wanted() if holder is not None else None
-    current: Any = holder.value if holder is not None else None
-    seen = getattr(current, "abstract_device", None)
-    if device is None or _free(current) or getattr(seen, "platform", "cpu") != "cpu":
+    in_mesh = jax_tracing.mesh_platform() if device is not None else None
+    if device is None or in_mesh is None or in_mesh[0] != "cpu":
         yield
         return
     import jax
+
+    current: Any = holder.value  # type: ignore[union-attr]
 
     try:
         mesh = jax.sharding.AbstractMesh(

@@ -109,7 +109,7 @@ def front_door_checks(
             notes.append(_checks.unchecked(check.name, why, kernel=kernel, call_site=call_site))
             continue
         prepared = check.before(run, avals, {})  # type: ignore[arg-type]
-        while prepared is not None and prepared.pending is not None:
+        if prepared is not None and prepared.pending is not None:  # nothing runs beside it here
             prepared = prepared.pending()
         if prepared is not None:
             notes += [prepared.note] if prepared.note else []

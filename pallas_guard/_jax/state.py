@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import sys
 import types
@@ -41,6 +42,7 @@ def forget_discharges() -> None:
         clear()
 
 
+@functools.cache  # asked at each checked lowering; what this jax has does not change
 def run_state_evaluation() -> tuple[Any, Callable[..., Any]] | None:
     """(``run_state_p``, a function that evaluates one with values, ``strip_memory_space`` first: its
     body discharged and run, as its lowering does); None where this jax has no such pair."""

@@ -55,7 +55,9 @@ def mesh_platform() -> tuple[str, str] | None:
         return None
     device = getattr(mesh, "abstract_device", None)
     kind = str(getattr(device, "device_kind", "") or "")
-    platform = getattr(device, "platform", None) or ("tpu" if kind.lower().startswith("tpu") else None)
+    # Before jax 0.10 an abstract device has no platform: its kind says ("cpu", "TPU v5 lite").
+    guessed = next((word for word in ("cpu", "tpu") if kind.lower().startswith(word)), None)
+    platform = getattr(device, "platform", None) or guessed
     return (str(platform), kind) if platform else None
 
 

@@ -23,7 +23,6 @@ import importlib
 import importlib.metadata
 import importlib.util
 import json
-import math
 import os
 import re
 import threading
@@ -34,7 +33,7 @@ from typing import Any, NamedTuple
 from pallas_guard._deciding import device as _device
 from pallas_guard._jax import lookup as jax_lookup
 from pallas_guard._jax import tracing as jax_tracing
-from pallas_guard_autoload import TPU_DEVICES_PER_CHIP, TPU_SLICE_DIMS
+from pallas_guard_autoload import TPU_DEVICES_PER_CHIP, TPU_SLICE_DIMS, slice_devices
 
 
 class Generation(NamedTuple):
@@ -221,10 +220,10 @@ def topology_for(
     prefix = spec.topology.split(":")[0]
     if named is not None:
         shape = named
-        slice_devices = math.prod(named) * per_chip
-        if slice_devices != devices:
+        on_the_slice = slice_devices(generation, named)
+        if on_the_slice != devices:
             return (
-                f"the device setting names the slice {prefix}:{'x'.join(map(str, named))} ({slice_devices} devices), "
+                f"the device setting names the slice {prefix}:{'x'.join(map(str, named))} ({on_the_slice} devices), "
                 f"and the mesh has {devices}"
             )
     else:
@@ -387,7 +386,7 @@ def start_compile(
     placed = _on_the_topology(build, generation, mesh, bool(kwargs), named)
     if isinstance(placed, str):
         return known(Outcome(generation, None, smem_limit=smem_limit, unchecked=placed))
-    function, sharding, device = placed
+    function, sharding, device, where = placed
     import jax
 
     # The topology's mesh in force in place of any the user set for this host's devices.
@@ -418,7 +417,7 @@ def start_compile(
             why = "called under a mesh of this host's devices (jax.set_mesh), where the check cannot place it on a TPU"
             return known(Outcome(generation, None, smem_limit=smem_limit, seconds=seconds, unchecked=why))
         return known(Outcome(generation, "lower", error, message, smem_limit=smem_limit, seconds=seconds))
-    return _compiling(lowered, generation, start=start, smem_limit=smem_limit)
+    return _compiling(lowered, generation, where, start=start, smem_limit=smem_limit)
 
 
 def _on_the_topology(
@@ -427,37 +426,44 @@ def _on_the_topology(
     mesh: Mesh | None,
     keywords: bool,
     named: tuple[int, ...] | None,
-) -> tuple[Callable[..., Any], Any, Any] | str:
-    """(the kernel to lower, the sharding of its operands and outputs, a device of the topology):
-    on one device of ``generation``'s topology; inside ``shard_map`` over a mesh of the topology's
-    devices (the slice ``named`` by the device setting, else one with as many) where the kernel is
-    called in a ``mesh`` (each device given the per-shard operands the kernel sees); or why not."""
+) -> tuple[Callable[..., Any], Any, Any, str] | str:
+    """(the kernel to lower, the sharding of its operands and outputs, a device of the topology,
+    the topology's name): on one device of ``generation``'s topology; inside ``shard_map`` over a
+    mesh of the topology's devices (the slice ``named`` by the device setting, else one with as
+    many) where the kernel is called in a ``mesh`` (each device given the per-shard operands the
+    kernel sees); or why not."""
     import jax
 
-    devices = topology_devices(generation, mesh.devices, named) if mesh is not None and not keywords else None
-    if mesh is None or (mesh.devices == 1 and (keywords or isinstance(devices, str))):
-        # Alone on one chip; inside a one-device shard_map too where no one-device slice exists
-        # (a tpu7x chip is two devices): a kernel that asks its axis index is then refused.
+    def alone() -> tuple[Callable[..., Any], Any, Any, str] | str:
         device = topology_device(generation)
         if isinstance(device, str):
             return device
-        return build(), jax.sharding.SingleDeviceSharding(device), device
+        return build(), jax.sharding.SingleDeviceSharding(device), device, GENERATIONS[generation].topology
+
+    if mesh is None:
+        return alone()
     if keywords:
-        return "a kernel inside shard_map called with keyword arguments is not compiled for a topology"
-    if isinstance(devices, str) or devices is None:
-        return devices or "no topology"
+        why = "a kernel inside shard_map called with keyword arguments is not compiled for a topology"
+        return alone() if mesh.devices == 1 else why
+    devices = topology_devices(generation, mesh.devices, named)
+    if isinstance(devices, str):
+        # One device where no one-device slice exists (a tpu7x chip is two devices): compiled
+        # alone, where a kernel that asks its axis index is refused.
+        return alone() if mesh.devices == 1 else devices
     import numpy as np
 
+    topology = topology_for(generation, mesh.devices, named)
     topology_mesh = jax.sharding.Mesh(np.array(devices, dtype=object).reshape(mesh.sizes), mesh.names)
     everywhere: Any = jax.sharding.PartitionSpec
     replicated = jax.sharding.NamedSharding(topology_mesh, everywhere())
-    return jax_tracing.per_shard(build(), topology_mesh), replicated, devices[0]
+    where = topology[0] if isinstance(topology, tuple) else generation
+    return jax_tracing.per_shard(build(), topology_mesh), replicated, devices[0], where
 
 
-def _compiling(lowered: Any, generation: str, *, start: float, smem_limit: int | None) -> Compiling:
+def _compiling(lowered: Any, generation: str, where: str, *, start: float, smem_limit: int | None) -> Compiling:
     """The compiler's verdict on ``lowered``: kept on disk where it compiled, in the process where
     it was refused, else compiled now, in a thread."""
-    cache = _verdict_file(lowered, generation)
+    cache = _verdict_file(lowered, generation, where)
     refused = _refused.get(cache) if cache is not None else None
     if refused is not None:  # refused in this process: the same input to the same compiler
         seconds = time.perf_counter() - start
@@ -539,7 +545,9 @@ def verdicts_dir() -> str:
     return os.path.join(base, "pallas_guard", "tpu-compiles")
 
 
-def _verdict_file(lowered: Any, generation: str) -> str | None:
+def _verdict_file(lowered: Any, generation: str, where: str) -> str | None:
+    """The file a compile of ``lowered`` for ``generation`` on topology ``where`` is kept in: slices
+    of the same size (``v5p:2x2x2``, ``v5p:2x4x1``) lower to the same text."""
     try:
         text = lowered.as_text()
     except Exception:  # a lowering that cannot print itself is compiled every time
@@ -550,7 +558,7 @@ def _verdict_file(lowered: Any, generation: str) -> str | None:
     # The compiler's flags change its verdict too (LIBTPU_INIT_ARGS can set the scoped VMEM limit).
     flags = tuple(os.environ.get(name, "") for name in ("LIBTPU_INIT_ARGS", "XLA_FLAGS"))
     compiler = (_VERDICT_FORMAT, repr(GENERATIONS.get(generation)), *_versions(), library, *flags)
-    digest = hashlib.sha256("\0".join((*compiler, generation, text)).encode()).hexdigest()
+    digest = hashlib.sha256("\0".join((*compiler, generation, where, text)).encode()).hexdigest()
     return os.path.join(verdicts_dir(), f"{digest}.json")
 
 
