@@ -354,6 +354,44 @@ def test_a_race_found_by_tpu_interpret_mode_forced_names_the_kernel_and_leaves_i
     assert _interpreted("dma_kernel") == ["tpu"]
 
 
+def _failing_in_tpu_interpret_mode(x_ref, o_ref):  # type: ignore[no-untyped-def]
+    def fail(_: object) -> None:
+        raise RuntimeError("the kernel's host callback failed")
+
+    o_ref[...] = x_ref[...]
+    jax.debug.callback(fail, x_ref[0, 0])
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "jit"])
+def test_a_kernel_that_failed_in_tpu_interpret_mode_leaves_race_detection_on_for_the_next(
+    guard: Callable[..., None], monkeypatch: pytest.MonkeyPatch, traced: bool
+) -> None:
+    # A failed kernel skips TPU interpret mode's clean-up, and JAX reuses the state it left: the next
+    # kernel ran with that kernel's settings (race detection off) and its race went unreported.
+    _detect_races(monkeypatch)
+    guard("interpret", interpreter="tpu")
+    x = jnp.ones((8, 128), jnp.float32)
+    failing = pl.pallas_call(_failing_in_tpu_interpret_mode, out_shape=x, interpret=pltpu.InterpretParams())
+    with pytest.raises(Exception, match="the kernel's host callback failed"):
+        jax.block_until_ready(failing(x))
+    racy = functools.partial(_dma_call, racy_kernel)
+    with pytest.raises(PallasGuardError, match=r"^pallas_guard: a data race was detected in .*racy_kernel"):
+        jax.block_until_ready(jax.jit(racy)(x) if traced else racy(x))
+    np.testing.assert_array_equal(_dma_call(dma_kernel, x), x)  # and the one after the race runs clean
+
+
+def test_a_race_found_under_jit_is_not_logged_as_a_failed_callback(
+    guard: Callable[..., None], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    _detect_races(monkeypatch)
+    guard("interpret", interpreter="tpu")
+    x = jnp.ones((8, 128), jnp.float32)
+    with caplog.at_level("ERROR"), pytest.raises(PallasGuardError):
+        jax.block_until_ready(jax.jit(functools.partial(_dma_call, racy_kernel))(x))
+    # The finding reaches the caller once, as the guard's error: not also as a logged traceback.
+    assert not [r for r in caplog.records if r.exc_info and "pallas_guard finding" in str(r.exc_info[1])]
+
+
 def test_env_switches_race_detection_on() -> None:
     code = """
         import jax, jax.numpy as jnp

@@ -245,6 +245,7 @@ class Run:
             if value is None:  # plain: the kernel as built (marked), the net substitutes the interpreter
                 return self.kernel.build(marks=self.marks), None
             self.ledger.mark_injected(value)
+            jax_pallas.start_each_run_clean(name, self.hooks)
             return self.kernel.build(value), value
 
         built, value = self._memo((name,), build)

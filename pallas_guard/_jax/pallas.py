@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import threading
 import types
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -185,6 +186,56 @@ def reset_interpreter(interpreter: str) -> None:
         note_missing(f"{interpreter.upper()} interpret mode state reset", "a kernel after a race may fail")
         return
     reset()
+
+
+# Where each interpreter keeps its global simulated state: the module with ``_shared_memory`` and
+# ``_initialize_shared_memory`` (which every simulated device calls once as a kernel starts).
+_SHARED_STATES = {
+    "tpu": ("jax._src.pallas.mosaic.interpret.interpret_pallas_call", "jax._src.pallas.mosaic.interpret"),
+    "gpu": ("jax._src.pallas.mosaic_gpu.interpret.gpu_callbacks",),
+}
+
+
+def start_each_run_clean(interpreter: str, hooks: list[Any]) -> None:
+    """Make every later run of ``interpreter`` start from a fresh state, as JAX's own clean-up
+    leaves it when a kernel returns.
+
+    A kernel that fails leaves the interpreter's state behind, and JAX's initialisation reuses a
+    state it finds: the next kernel ran with the old settings, race detection off included, so a
+    race asked for was silently not looked for. A state is left over once as many devices as it
+    simulates have started on it (each starts once per run), or when it was made by a run this
+    wrapper never saw. The entry added to ``hooks`` puts JAX's function back."""
+    from pallas_guard._vocabulary.patch import wrap
+
+    module = next((m for m in map(import_optional, _SHARED_STATES.get(interpreter, ())) if m is not None), None)
+    if module is None or not callable(vars(module).get("_initialize_shared_memory")):
+        note_missing(f"{interpreter.upper()} interpret mode state", "a kernel after a failed one may run unchecked")
+        return
+    watched: list[Any] = [None, 0]  # the state this wrapper saw made, and how many devices started on it
+    lock = threading.Lock()
+
+    def starting_clean(initialize: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(initialize)
+        def pallas_guard_initialize(*args: Any, **kwargs: Any) -> Any:
+            with lock:
+                state = vars(module).get("_shared_memory")
+                if state is not None and (state is not watched[0] or watched[1] >= getattr(state, "num_devices", 1)):
+                    reset_interpreter(interpreter)
+                result = initialize(*args, **kwargs)
+                state = vars(module).get("_shared_memory")
+                watched[:] = [state, watched[1] + 1 if state is watched[0] else 1]
+            return result
+
+        pallas_guard_initialize.pallas_guard_fresh_state = True  # type: ignore[attr-defined]
+        return pallas_guard_initialize
+
+    wrap(
+        module,
+        "_initialize_shared_memory",
+        starting_clean,
+        hooks,
+        is_ours=lambda f: getattr(f, "pallas_guard_fresh_state", False) is True,
+    )
 
 
 def races_found(interpreter: str = "tpu") -> bool | None:

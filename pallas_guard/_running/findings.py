@@ -150,7 +150,7 @@ def hook(hooks: list[Any], *, checking_at_run_time: Callable[[], bool]) -> None:
     dispatch = jax_tracing.fast_dispatch_module()
     through = functools.partial(_through_the_wrapper, checking_at_run_time=checking_at_run_time)
     wrap(dispatch, jax_tracing.FAST_DISPATCH_DATA, through, hooks, is_ours=_is_ours)
-    if not any(isinstance(f, _QuietFindings) for f in logging.getLogger(_CALLBACK_LOGGER).filters):
+    if not any(isinstance(f, _QuietFindings) for f in logging.getLogger(_CALLBACK_LOGGERS[0]).filters):
         hooks.append(_QuietFindings())
     hooks.append(_ForgetGates())
 
@@ -166,7 +166,8 @@ class _ForgetGates:
             _handed_over.clear()
 
 
-_CALLBACK_LOGGER = "jax._src.callback"
+_CALLBACK_LOGGERS = ("jax._src.callback", "jax._src.debugging")
+"""Where JAX logs a host callback's exception: io/pure callbacks, and ``jax.debug.callback``."""
 _handled_by_a_check = [0]
 """How many checks are running an interpreter beside the chosen one: a failure of its host
 callbacks is theirs to report (a finding or a note), and JAX's log of it would be noise."""
@@ -191,14 +192,16 @@ class _QuietFindings(logging.Filter):
 
     def __init__(self) -> None:
         super().__init__()
-        logging.getLogger(_CALLBACK_LOGGER).addFilter(self)
+        for name in _CALLBACK_LOGGERS:
+            logging.getLogger(name).addFilter(self)
 
     def filter(self, record: logging.LogRecord) -> bool:
         raised = record.exc_info[1] if record.exc_info else None
         return not isinstance(raised, RecordedFinding) and not _handled_by_a_check[0]
 
     def restore(self) -> None:
-        logging.getLogger(_CALLBACK_LOGGER).removeFilter(self)
+        for name in _CALLBACK_LOGGERS:
+            logging.getLogger(name).removeFilter(self)
 
 
 def _is_ours(function: Any) -> bool:
