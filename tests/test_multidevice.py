@@ -80,7 +80,7 @@ def test_guarded_kernel_inside_shard_map_on_four_cpu_devices() -> None:
 
 
 SHARD_MAP = """
-import inspect, json, sys
+import functools, inspect, json, sys
 import jax, jax.numpy as jnp, numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
@@ -253,6 +253,58 @@ def test_a_race_across_devices_is_found_without_hanging_the_process(waits: bool)
         assert report == {"received": [3.0, 0.0, 1.0, 2.0]}
     else:
         assert report["found"].startswith("pallas_guard: a data race was detected in Pallas kernel 'ring'")
+
+
+TWO_RINGS = (
+    SHARD_MAP
+    + """devices = jax.device_count()
+mesh = Mesh(np.array(jax.devices()), ("x",))
+
+def ring(x_ref, o_ref, send, recv, *, waits):
+    right = jax.lax.rem(jax.lax.axis_index("x") + 1, devices)
+    copy = pltpu.make_async_remote_copy(
+        src_ref=x_ref, dst_ref=o_ref, send_sem=send, recv_sem=recv, device_id=(right,),
+        device_id_type=(getattr(pltpu, "DeviceIdType", None) or pl.DeviceIdType).MESH,
+    )
+    copy.start()
+    copy.wait() if waits else copy.wait_send()
+
+def body(x):
+    vmem = pl.BlockSpec(memory_space=pltpu.VMEM)
+    for waits in (False, True):  # the racy ring, then one that waits for what it receives
+        x = pl.pallas_call(functools.partial(ring, waits=waits), out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                           in_specs=[vmem], out_specs=vmem,
+                           scratch_shapes=[pltpu.SemaphoreType.DMA, pltpu.SemaphoreType.DMA])(x)
+    return x
+
+x = jnp.repeat(jnp.arange(devices, dtype=jnp.float32), 8 * 128).reshape(devices * 8, 128)
+try:
+    out = jax.jit(shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x"), **no_check))(x)
+    print(json.dumps({"received": [float(v) for v in np.asarray(out)[::8, 0]]}))
+except pallas_guard.PallasGuardError as error:
+    print(json.dumps({"found": str(error).splitlines()[0]}))
+"""
+)
+
+
+def test_a_race_in_the_first_of_two_kernels_across_devices_is_found() -> None:
+    """The detector's verdict is read as each kernel ends: a later kernel of the same program,
+    which starts the detector afresh, does not hide the race of an earlier one."""
+    if not interpreters.available("tpu"):
+        pytest.skip("this jax has no TPU interpret mode")
+    result = run_python(
+        TWO_RINGS,
+        env={
+            "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+            "JAX_PLATFORMS": "cpu",
+            "PALLAS_GUARD_POLICY": "interpret",
+            "PALLAS_GUARD_CHECKS": "races",
+        },
+        timeout=180,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report.get("found", "").startswith("pallas_guard: a data race was detected in Pallas kernel 'ring'"), report
 
 
 @pytest.mark.parametrize(

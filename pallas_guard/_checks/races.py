@@ -13,10 +13,13 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import itertools
 import math
 import threading
 from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import numpy as np
 
 from pallas_guard._checks import dma_races as _dma_races
 from pallas_guard._checks import protocol as _checks
@@ -159,7 +162,6 @@ def split_between_cores(params: Mapping[str, Any]) -> _diagnostics.CoreSplit | N
     ``"parallel"`` or ``"core_parallel"`` both visit, or None: on a chip with two TensorCores each
     core takes a share of such an axis and writes its own copy of the block back."""
     import jax
-    import numpy as np
 
     semantics = jax_pallas.dimension_semantics(params)
     grid = jax_pallas.equation_grid(params)
@@ -204,10 +206,10 @@ def check(out: Any, *, kernel: _diagnostics.KernelInfo, call_site: _diagnostics.
     """Raise the finding if the interpreter found a race running the kernel.
 
     Run eagerly, the kernel has finished when this returns and the finding is raised here; traced
-    (under jit), a callback that depends on the kernel's output checks after it ran and records the
-    finding, which the jitted call raises. Raised there, it stops the computation before the
-    interpreter's own clean-up (ordered after the outputs): the guard resets the interpreter first,
-    so the next kernel starts clean.
+    (under jit), a callback that depends on the kernel's output reads the detector's verdict after
+    the kernel ran and records the finding, which the jitted call raises. Raised there, it stops the
+    computation before the interpreter's own clean-up (ordered after the outputs): the guard resets
+    the interpreter first, so the next kernel starts clean.
     """
     import jax
 
@@ -218,34 +220,50 @@ def check(out: Any, *, kernel: _diagnostics.KernelInfo, call_site: _diagnostics.
         error = _diagnostics.race_error(kernel=kernel, call_site=call_site, interpreter=interpreter)
         return _checks.found("races", error, kernel=kernel, call_site=call_site, interpreter=interpreter)
 
+    leaves = jax.tree_util.tree_leaves(out)
+    if not leaves:
+        return
+    if not any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
+        jax.block_until_ready(out)  # type: ignore[no-untyped-call]
+        found = finding()
+        if found is not None:
+            raise found
+        return
+    mesh = jax_tracing.manual_mesh()
+    devices = math.prod(mesh[1]) if mesh is not None else 1
+    if devices > 1:
+        # Inside shard_map each device runs the kernel in a thread of its own, and TPU interpret
+        # mode waits for all of them at the end: a callback that raised would leave the others
+        # waiting for ever. The callback is ordered after the kernel's own last one (each device's
+        # passes that wait): the first device there reads the verdict, complete, before any device
+        # starts another kernel; the finding is raised once the computation is done.
+        gate = _findings.await_gate()
+        arrivals = itertools.count()
+        lock = threading.Lock()
+
+        def read(*_: Any) -> np.int32:
+            with lock:
+                if next(arrivals) % devices == 0:
+                    found = finding()
+                    _findings.hand_over(gate, None if found is None else functools.partial(_raise, found))
+            return np.int32(0)
+
+        from jax.experimental import io_callback
+
+        scalar = jax.ShapeDtypeStruct((), np.int32)  # type: ignore[no-untyped-call]
+        io_callback(read, scalar, leaves[0], ordered=True)
+        return
+
     def record_if_race(*_: Any) -> None:
         found = finding()
         if found is not None:
             _findings.record(found)
 
-    def raise_if_race() -> None:
-        found = finding()
-        if found is not None:
-            raise found
+    jax.debug.callback(record_if_race, leaves[0])
 
-    leaves = jax.tree_util.tree_leaves(out)
-    if not leaves:
-        return
-    if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
-        mesh = jax_tracing.manual_mesh()
-        if mesh is not None and math.prod(mesh[1]) > 1:
-            # Inside shard_map each device runs the kernel in a thread of its own, and TPU interpret
-            # mode waits for all of them at the end: a callback that raised would leave the others
-            # waiting for ever. The finding is handed over, raised once the computation is done.
-            gate = _findings.await_gate()
-            jax.debug.callback(lambda *_: _findings.hand_over(gate, raise_if_race), leaves[0])
-            return
-        jax.debug.callback(record_if_race, leaves[0])
-        return
-    jax.block_until_ready(out)  # type: ignore[no-untyped-call]
-    found = finding()
-    if found is not None:
-        raise found
+
+def _raise(error: PallasGuardError) -> NoReturn:
+    raise error
 
 
 CHECK = Races()
