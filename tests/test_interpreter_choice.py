@@ -392,6 +392,29 @@ def test_a_race_found_under_jit_is_not_logged_as_a_failed_callback(
     assert not [r for r in caplog.records if r.exc_info and "pallas_guard finding" in str(r.exc_info[1])]
 
 
+def _waits_for_more_than_signalled(x_ref, o_ref, sem):  # type: ignore[no-untyped-def]
+    pl.semaphore_signal(sem, 1)
+    pl.semaphore_wait(sem, 2)
+    o_ref[...] = x_ref[...]
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "jit"])
+def test_a_wait_nothing_signals_in_tpu_interpret_mode_is_a_finding_not_a_hang(
+    guard: Callable[..., None], monkeypatch: pytest.MonkeyPatch, traced: bool
+) -> None:
+    # TPU interpret mode blocks the core's thread until the count is there, which never comes.
+    _detect_races(monkeypatch)
+    guard("interpret", interpreter="tpu")
+    x = jnp.ones((8, 128), jnp.float32)
+    call = pl.pallas_call(_waits_for_more_than_signalled, out_shape=x, scratch_shapes=[pltpu.SemaphoreType.REGULAR])
+    with pytest.raises(
+        PallasGuardError, match=r"^pallas_guard: a race \(a semaphore wait no signal satisfies\)"
+    ) as info:
+        jax.block_until_ready(jax.jit(call)(x) if traced else call(x))
+    assert "the waits of device 0 core 0 for 2 (it holds 1) in TPU interpret mode" in str(info.value)
+    np.testing.assert_array_equal(_dma_call(dma_kernel, x), x)  # the next kernel runs clean
+
+
 def test_env_switches_race_detection_on() -> None:
     code = """
         import jax, jax.numpy as jnp

@@ -307,6 +307,69 @@ def test_a_race_in_the_first_of_two_kernels_across_devices_is_found() -> None:
     assert report.get("found", "").startswith("pallas_guard: a data race was detected in Pallas kernel 'ring'"), report
 
 
+UNSIGNALLED = (
+    SHARD_MAP
+    + """devices = jax.device_count()
+mesh = Mesh(np.array(jax.devices()), ("x",))
+signalled = sys.argv[1] == "signalled"
+
+def kernel(x_ref, o_ref, sem):
+    me = jax.lax.axis_index("x")
+    right = jax.lax.rem(me + 1, devices)
+    ids = (getattr(pltpu, "DeviceIdType", None) or pl.DeviceIdType).MESH
+    # Device 0 signals its right neighbour once; each device waits for twice that unless every
+    # device signals its neighbour twice.
+    @pl.when(jnp.logical_or(me == 0, signalled))
+    def _():
+        pl.semaphore_signal(sem, 1, device_id=(right,), device_id_type=ids)
+        if signalled:
+            pl.semaphore_signal(sem, 1, device_id=(right,), device_id_type=ids)
+    pl.semaphore_wait(sem, 2)
+    o_ref[...] = x_ref[...] + 1
+
+def body(x):
+    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                          scratch_shapes=[pltpu.SemaphoreType.REGULAR])(x)
+
+x = jnp.zeros((devices * 8, 128), jnp.float32)
+try:
+    out = jax.jit(shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x"), **no_check))(x)
+    print(json.dumps({"sum": float(np.asarray(out).sum())}))
+except pallas_guard.PallasGuardError as error:
+    print(json.dumps({"found": str(error)}))
+"""
+)
+
+
+@pytest.mark.parametrize("signalled", [True, False], ids=["every wait signalled", "a wait no device signals"])
+def test_a_wait_no_device_signals_is_a_finding_not_a_hang(signalled: bool) -> None:
+    """TPU interpret mode runs each device in a thread of its own: a semaphore wait that no device
+    will signal blocks for ever, as the TPU would. Under races it is a finding (a subprocess
+    timeout fails the test where it would hang); waits that are signalled run as before."""
+    if not interpreters.available("tpu"):
+        pytest.skip("this jax has no TPU interpret mode")
+    result = run_python(
+        UNSIGNALLED.replace("sys.argv[1]", repr("signalled" if signalled else "no")),
+        env={
+            "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+            "JAX_PLATFORMS": "cpu",
+            "PALLAS_GUARD_POLICY": "interpret",
+            "PALLAS_GUARD_CHECKS": "races",
+        },
+        timeout=180,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    if signalled:
+        assert report == {"sum": 4 * 8 * 128.0}
+        return
+    found = report["found"]
+    assert found.startswith("pallas_guard: a race (a semaphore wait no signal satisfies) in Pallas kernel 'kernel'")
+    # Device 1 holds the one signal, the others none; every one of the four waits for 2.
+    assert "of device 0 core 0 for 2 (it holds 0), of device 1 core 0 for 2 (it holds 1)" in found
+    assert "of device 3 core 0 for 2 (it holds 0)" in found and "wait forever" in found
+
+
 @pytest.mark.parametrize(
     ("xla_flags", "started_first", "devices"),
     [(None, False, 8), ("--xla_force_host_platform_device_count=2", False, 2), (None, True, 1)],

@@ -16,8 +16,9 @@ import functools
 import itertools
 import math
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
 
 import numpy as np
 
@@ -88,11 +89,121 @@ class Races(_checks.Check):
         what, text = _dma_races.describe(message, races)
         return _diagnostics.race_finding(text, what=what, kernel=lowering.kernel, call_site=call_site, source=source)
 
+    def before(self, run: Run, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _checks.Prepared | None:
+        if run.candidates.detect_races and "tpu" in run.candidates.names:
+            _judge_waits_across_cores(run.hooks)
+        return None
+
     def after(self, run: Run, out: Any, interpreter: str) -> None:
         # Only the interpreter that ran with the detector has a race state to read: a kernel the
         # detector could not take (plain, forced or chosen) has none.
         if run.candidates.detect_races and interpreter in ("tpu", "gpu"):
             check(out, kernel=run.kernel.info, call_site=run.call_site, interpreter=interpreter)
+
+
+# --- a semaphore wait no core will signal, in TPU interpret mode --------------------------------------
+# Each simulated core (and device) of TPU interpret mode runs in a thread of its own, and a wait on a
+# semaphore blocks it until the count is there: a wait no other core will ever signal hangs the
+# process, as the TPU would hang. While the detector runs, a regular semaphore's wait is judged: once
+# every core of the kernel waits for a count that is not there or has finished the kernel, and stays
+# so, none is left to signal. The waits are then let go (the kernel ends; its outputs are dropped) and
+# the check reports it. DMA semaphores, which the interpreter's own DMA tasks signal, are left to it.
+
+
+class _Hang(NamedTuple):
+    device: int
+    core: int
+    wanted: int
+    held: int
+
+
+_STUCK_FOR = 0.25  # seconds every core must stay waiting, nothing changing, before it is judged a hang
+_waiting_lock = threading.Lock()
+_waiting: dict[int, dict[int, tuple[Any, int]]] = {}
+"""Per interpreter state (by id): core -> (its semaphore's counts, what it waits for)."""
+_let_go: set[int] = set()
+"""Interpreter states (by id) whose waits were found hanging and are let go."""
+_hangs: list[_Hang] = []
+_changes = itertools.count()
+_last_change = [0]
+
+
+def _judge_waits_across_cores(hooks: list[Any]) -> None:
+    from pallas_guard._vocabulary.patch import wrap
+
+    semaphore = jax_pallas.semaphore_class("tpu")
+    if semaphore is None:
+        return
+    wrap(semaphore, "wait", _judged_semaphore_wait, hooks, is_ours=lambda f: getattr(f, "pallas_guard_waits", False))
+
+
+def _judged_semaphore_wait(wait: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(wait)
+    def pallas_guard_wait(self: Any, value: Any, global_core_id: Any, *args: Any, **kwargs: Any) -> Any:
+        if args or kwargs.get("has_tasks") or kwargs.get("is_dma"):  # a DMA's: its tasks signal it
+            return wait(self, value, global_core_id, *args, **kwargs)
+        view = jax_pallas.semaphore_view(self)
+        if view is None:
+            return wait(self, value, global_core_id, *args, **kwargs)
+        if not _until_held(self, view, int(value), int(global_core_id)):
+            return None  # let go: no core will signal it
+        return wait(self, value, global_core_id, *args, **kwargs)
+
+    pallas_guard_wait.pallas_guard_waits = True  # type: ignore[attr-defined]
+    return pallas_guard_wait
+
+
+def _until_held(semaphore: Any, view: jax_pallas.SemaphoreView, wanted: int, core: int) -> bool:
+    """Block until the semaphore holds ``wanted`` for ``core`` (True), or every core of the kernel
+    is stuck (False: the hang was recorded, the wait is let go)."""
+    state = id(view.state)
+    stuck_since: tuple[int, float] | None = None
+    try:
+        while True:
+            with semaphore.cv:
+                if view.counts[core] >= wanted:
+                    return True
+                semaphore.cv.wait(timeout=0.02)
+                if view.counts[core] >= wanted:
+                    return True
+            with _waiting_lock:
+                if state in _let_go:
+                    return False
+                waiting = _waiting.setdefault(state, {})
+                if core not in waiting:
+                    waiting[core] = (view.counts, wanted)
+                    _last_change[0] = next(_changes)
+                finished = jax_pallas.cores_finished(view.state)
+                everyone = finished is not None and len(waiting) + finished >= int(view.state.num_cores)
+                if not everyone or any(counts[c] >= w for c, (counts, w) in waiting.items()):
+                    stuck_since = None
+                    continue
+                now = time.monotonic()
+                if stuck_since is None or stuck_since[0] != _last_change[0]:
+                    stuck_since = (_last_change[0], now)
+                elif now - stuck_since[1] >= _STUCK_FOR:
+                    _let_go.add(state)
+                    per_device = int(getattr(view.state, "num_cores_per_device", 1))
+                    _hangs.extend(
+                        _Hang(c // per_device, c % per_device, w, int(counts[c]))
+                        for c, (counts, w) in sorted(waiting.items())
+                    )
+                    return False
+    finally:
+        with _waiting_lock:
+            still = _waiting.get(state)
+            if still is not None and still.pop(core, None) is not None:
+                _last_change[0] = next(_changes)
+                if not still:
+                    del _waiting[state]
+                    _let_go.discard(state)
+
+
+def _taken_hangs() -> list[_Hang]:
+    with _waiting_lock:
+        taken = list(_hangs)
+        _hangs.clear()
+    return taken
 
 
 # --- a semaphore wait no signal satisfies --------------------------------------------------------------
@@ -214,10 +325,23 @@ def check(out: Any, *, kernel: _diagnostics.KernelInfo, call_site: _diagnostics.
     import jax
 
     def finding() -> PallasGuardError | None:
-        if not jax_pallas.races_found(interpreter):
+        hangs = _taken_hangs()
+        if not hangs and not jax_pallas.races_found(interpreter):
             return None
         jax_pallas.reset_interpreter(interpreter)
-        error = _diagnostics.race_error(kernel=kernel, call_site=call_site, interpreter=interpreter)
+        if hangs:
+            source = _settings.stated("checks")
+            error = _diagnostics.semaphore_hang(
+                ", ".join(f"of device {h.device} core {h.core} for {h.wanted} (it holds {h.held})" for h in hangs),
+                held=hangs[0].held,
+                wanted=hangs[0].wanted,
+                kernel=kernel,
+                call_site=call_site,
+                source=source,
+                across=True,
+            )
+        else:
+            error = _diagnostics.race_error(kernel=kernel, call_site=call_site, interpreter=interpreter)
         return _checks.found("races", error, kernel=kernel, call_site=call_site, interpreter=interpreter)
 
     leaves = jax.tree_util.tree_leaves(out)

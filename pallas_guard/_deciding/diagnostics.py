@@ -441,13 +441,31 @@ def race_finding(text: str, *, what: str, kernel: KernelInfo, call_site: CallSit
 
 
 def semaphore_hang(
-    site: str, *, held: int, wanted: int, kernel: KernelInfo, call_site: CallSite, source: str
+    site: str,
+    *,
+    held: int,
+    wanted: int,
+    kernel: KernelInfo,
+    call_site: CallSite,
+    source: str,
+    across: bool = False,
 ) -> PallasGuardError:
-    """A semaphore wait for more than the semaphore holds, on one core: no signal can come."""
+    """A semaphore wait for more than the semaphore holds, on one core: no signal can come; or
+    (``across``) the waits of every core of a kernel in TPU interpret mode, none left to signal."""
+    if across:
+        what = (
+            f"the waits {site} in TPU interpret mode, where every core (and device) of the kernel waits "
+            "or has finished it, so none is left to signal: on a TPU they wait forever (the guard let them "
+            "go to report it, and the call's outputs are not returned)"
+        )
+    else:
+        what = (
+            f"the wait {site} needs {wanted} and the semaphore holds {held}, and on one core nothing else "
+            "signals it: on a TPU the core waits forever (the interpreter returns at once)"
+        )
     return PallasGuardError(
         f"{RACE_FINDING}a semaphore wait no signal satisfies) in {_describe(kernel, call_site)}, found by the "
-        f"races check ({source}): the wait {site} needs {wanted} and the semaphore holds {held}, and on one "
-        f"core nothing else signals it: on a TPU the core waits forever (the interpreter returns at once).\n"
+        f"races check ({source}): {what}.\n"
         "To fix: signal the semaphore as often as the kernel waits on it (`pl.semaphore_signal` before "
         "`pl.semaphore_wait`, with the same counts), or wait for what was signalled."
     )

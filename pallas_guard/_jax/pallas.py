@@ -6,7 +6,7 @@ import functools
 import threading
 import types
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 from pallas_guard._jax.lookup import first_attribute, import_optional, note_missing
 
@@ -236,6 +236,55 @@ def start_each_run_clean(interpreter: str, hooks: list[Any]) -> None:
         hooks,
         is_ours=lambda f: getattr(f, "pallas_guard_fresh_state", False) is True,
     )
+
+
+def semaphore_class(interpreter: str = "tpu") -> type | None:
+    """TPU interpret mode's simulated semaphore (its ``wait(value, global_core_id, ...)``)."""
+    if interpreter != "tpu":
+        return None
+    found = first_attribute(
+        [
+            ("jax._src.pallas.mosaic.interpret.shared_memory", "Semaphore"),  # 0.8.0+
+            ("jax._src.pallas.mosaic.interpret", "Semaphore"),  # 0.6.2 - 0.7.x
+        ]
+    )
+    return found if isinstance(found, type) and callable(vars(found).get("wait")) else None
+
+
+class SemaphoreView(NamedTuple):
+    """What a waiting core's semaphore and its interpreter state say, read without JAX's locks."""
+
+    counts: Any
+    """Per global core, what the semaphore holds."""
+    state: Any
+    """The interpreter's shared state the semaphore belongs to."""
+
+
+def semaphore_view(semaphore: Any, interpreter: str = "tpu") -> SemaphoreView | None:
+    """``semaphore``'s counts and state where this jax keeps them as the guard knows (0.7 - 0.12),
+    and the state detects races; None otherwise."""
+    counts = getattr(semaphore, "count_by_core", None)
+    if counts is None:
+        counts = getattr(semaphore, "counts", None)
+    state = getattr(semaphore, "shared_memory", None)
+    if state is None:  # 0.7.x: one state, module-wide
+        module = next((m for m in map(import_optional, _SHARED_STATES.get(interpreter, ())) if m is not None), None)
+        state = vars(module).get("_shared_memory") if module is not None else None
+    if counts is None or state is None:
+        return None
+    detects = getattr(state, "detect_races", None)
+    if detects is None:
+        detects = getattr(getattr(state, "interpret_params", None), "detect_races", False)
+    return SemaphoreView(counts, state) if detects else None
+
+
+def cores_finished(state: Any) -> int | None:
+    """How many simulated cores of ``state`` have finished the kernel (their device waits at the
+    end for the others); None where this jax does not say."""
+    barrier = getattr(state, "clean_up_barrier", None)
+    per_device = getattr(state, "num_cores_per_device", None)
+    waiting = getattr(barrier, "n_waiting", None)
+    return None if waiting is None or per_device is None else int(waiting) * int(per_device)
 
 
 def races_found(interpreter: str = "tpu") -> bool | None:
