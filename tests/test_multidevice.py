@@ -341,6 +341,59 @@ except pallas_guard.PallasGuardError as error:
 )
 
 
+UNSENT = (
+    SHARD_MAP
+    + """devices = jax.device_count()
+mesh = Mesh(np.array(jax.devices()), ("x",))
+
+def ring(x_ref, o_ref, send, recv):
+    me = jax.lax.axis_index("x")
+    copy = pltpu.make_async_remote_copy(
+        src_ref=x_ref, dst_ref=o_ref, send_sem=send, recv_sem=recv, device_id=(jax.lax.rem(me + 1, devices),),
+        device_id_type=(getattr(pltpu, "DeviceIdType", None) or pl.DeviceIdType).MESH,
+    )
+    @pl.when(me == 0)  # only device 0 sends: the others wait for a receive nobody sends
+    def _():
+        copy.start()
+        copy.wait_send()
+    copy.wait_recv()
+
+def body(x):
+    vmem = pl.BlockSpec(memory_space=pltpu.VMEM)
+    return pl.pallas_call(ring, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), in_specs=[vmem], out_specs=vmem,
+                          scratch_shapes=[pltpu.SemaphoreType.DMA, pltpu.SemaphoreType.DMA])(x)
+
+x = jnp.ones((devices * 8, 128), jnp.float32)
+try:
+    out = jax.jit(shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x"), **no_check))(x)
+    print(json.dumps({"sum": float(np.asarray(out).sum())}))
+except pallas_guard.PallasGuardError as error:
+    print(json.dumps({"found": str(error)}))
+"""
+)
+
+
+def test_a_receive_no_device_sends_is_a_finding_not_a_hang() -> None:
+    if not interpreters.available("tpu"):
+        pytest.skip("this jax has no TPU interpret mode")
+    result = run_python(
+        UNSENT,
+        env={
+            "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+            "JAX_PLATFORMS": "cpu",
+            "PALLAS_GUARD_POLICY": "interpret",
+            "PALLAS_GUARD_CHECKS": "races",
+        },
+        timeout=180,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    found = json.loads(result.stdout.strip().splitlines()[-1])["found"]
+    assert found.startswith("pallas_guard: a race (a semaphore wait no signal satisfies) in Pallas kernel 'ring'")
+    # Device 1 got device 0's block (4096 bytes); 0, 2 and 3 wait for one nobody sends.
+    assert "the waits of device 0 core 0 for 4096 (it holds 0), of device 2 core 0 for 4096 (it holds 0)" in found
+    assert "of device 1 " not in found
+
+
 @pytest.mark.parametrize("signalled", [True, False], ids=["every wait signalled", "a wait no device signals"])
 def test_a_wait_no_device_signals_is_a_finding_not_a_hang(signalled: bool) -> None:
     """TPU interpret mode runs each device in a thread of its own: a semaphore wait that no device

@@ -107,7 +107,8 @@ class Races(_checks.Check):
 # process, as the TPU would hang. While the detector runs, a regular semaphore's wait is judged: once
 # every core of the kernel waits for a count that is not there or has finished the kernel, and stays
 # so, none is left to signal. The waits are then let go (the kernel ends; its outputs are dropped) and
-# the check reports it. DMA semaphores, which the interpreter's own DMA tasks signal, are left to it.
+# the check reports it. A DMA semaphore is judged where DMAs execute as they start (a kernel that talks
+# to other devices); with JAX's default order the wait runs the copies it waits for itself.
 
 
 class _Hang(NamedTuple):
@@ -140,10 +141,9 @@ def _judge_waits_across_cores(hooks: list[Any]) -> None:
 def _judged_semaphore_wait(wait: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(wait)
     def pallas_guard_wait(self: Any, value: Any, global_core_id: Any, *args: Any, **kwargs: Any) -> Any:
-        if args or kwargs.get("has_tasks") or kwargs.get("is_dma"):  # a DMA's: its tasks signal it
-            return wait(self, value, global_core_id, *args, **kwargs)
         view = jax_pallas.semaphore_view(self)
-        if view is None:
+        of_a_dma = bool(args or kwargs.get("has_tasks") or kwargs.get("is_dma"))
+        if view is None or (of_a_dma and not view.dmas_at_start):  # the wait runs the DMAs it waits for
             return wait(self, value, global_core_id, *args, **kwargs)
         if not _until_held(self, view, int(value), int(global_core_id)):
             return None  # let go: no core will signal it

@@ -258,6 +258,9 @@ class SemaphoreView(NamedTuple):
     """Per global core, what the semaphore holds."""
     state: Any
     """The interpreter's shared state the semaphore belongs to."""
+    dmas_at_start: bool
+    """DMAs executed when they start: nothing but a core's own actions signals a semaphore (with
+    JAX's default order, a DMA semaphore's wait runs the copies it waits for itself)."""
 
 
 def semaphore_view(semaphore: Any, interpreter: str = "tpu") -> SemaphoreView | None:
@@ -272,10 +275,10 @@ def semaphore_view(semaphore: Any, interpreter: str = "tpu") -> SemaphoreView | 
         state = vars(module).get("_shared_memory") if module is not None else None
     if counts is None or state is None:
         return None
-    detects = getattr(state, "detect_races", None)
-    if detects is None:
-        detects = getattr(getattr(state, "interpret_params", None), "detect_races", False)
-    return SemaphoreView(counts, state) if detects else None
+    params = getattr(state, "interpret_params", None)  # 0.7.x keeps the options there
+    detects = getattr(state, "detect_races", getattr(params, "detect_races", False))
+    mode = getattr(state, "dma_execution_mode", getattr(params, "dma_execution_mode", None))
+    return SemaphoreView(counts, state, mode == "eager") if detects else None
 
 
 def cores_finished(state: Any) -> int | None:
