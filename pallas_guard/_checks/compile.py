@@ -1,5 +1,6 @@
 """The ``compile`` check: a Mosaic-TPU kernel the guard interprets is also compiled by the TPU's
-own compiler (libtpu, deviceless, on the CPU host), for the device setting's TPU generation.
+own compiler (libtpu, deviceless, on the CPU host), for the device setting's TPU generation; a
+Triton or Mosaic GPU kernel by XLA's GPU compiler for the device setting's GPU (``gpu_compile``).
 
 JAX's Python lowering is the first of three places a TPU refuses a kernel; libtpu's Mosaic passes
 are the second (VMEM exhaustion, vector types a generation cannot load, lane offsets it cannot
@@ -18,11 +19,12 @@ from typing import TYPE_CHECKING, Any
 from pallas_guard._checks import lowering as _lowering_check
 from pallas_guard._checks import protocol as _checks
 from pallas_guard._deciding import diagnostics as _diagnostics
+from pallas_guard._running import gpu_compile as _gpu_compile
 from pallas_guard._running import tpu_compile as _tpu_compile
 from pallas_guard._vocabulary import settings as _settings
 from pallas_guard._vocabulary.errors import PallasGuardError
 from pallas_guard._vocabulary.record import MemoryUse
-from pallas_guard_autoload import device_list, device_slice
+from pallas_guard_autoload import DEVICES, device_list, device_slice
 
 if TYPE_CHECKING:
     from pallas_guard._checks.lowering import Target
@@ -39,20 +41,19 @@ class Compile(_checks.Check):
     def before(self, run: Run, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _checks.Prepared:
         __tracebackhide__ = True
         target = _lowering_check.target_for(run.kernel.facts.family, _settings.current("device").value)
-        if isinstance(target, str) or target.platform != "tpu":
-            return _checks.Prepared("compile: not checked: not a TPU kernel (the TPU's compiler judges TPU kernels)")
+        if isinstance(target, str) or target.platform not in ("tpu", "cuda"):
+            return _checks.Prepared("compile: not checked: not a TPU or GPU kernel (the target's compiler judges it)")
+        on_a_gpu = target.platform == "cuda"
+        why_not = f"{run.kernel.entry.label} runs when built" if run.kernel.entry.runs_when_applied else None
+        why_not = why_not or (_why_not_on_a_gpu(run) if on_a_gpu else _why_not_on_a_tpu(run))
+        if why_not is not None:
+            return _checks.Prepared(
+                _checks.unchecked(self.name, why_not, kernel=run.kernel.info, call_site=run.call_site)
+            )
+        return self.before_gpu(run, target, args, kwargs) if on_a_gpu else self.before_tpu(run, target, args, kwargs)
 
-        def unchecked(why: str) -> _checks.Prepared:
-            return _checks.Prepared(_checks.unchecked(self.name, why, kernel=run.kernel.info, call_site=run.call_site))
-
-        if run.kernel.entry.runs_when_applied:
-            return unchecked(f"{run.kernel.entry.label} runs when built")
-        aborting = _aborting_memory_space(run.kernel.kwargs)
-        if aborting is not None:
-            return unchecked(f"libtpu aborts the process on {aborting} operands")
-        missing = _tpu_compile.available()
-        if missing is not None:
-            return unchecked(missing)
+    def before_tpu(self, run: Run, target: Target, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _checks.Prepared:
+        __tracebackhide__ = True
         # Inside shard_map: compiled in the program a pod slice of the mesh's shape would run.
         called_in = run.called_in()
         mesh = _tpu_compile.Mesh(*called_in) if called_in else None
@@ -119,6 +120,81 @@ class Compile(_checks.Check):
         raise _checks.found(
             self.name, finding, kernel=run.kernel.info, call_site=run.call_site, memory=tuple(memory)
         ) from None
+
+    # --- a GPU kernel: XLA's GPU compiler, for each GPU the device setting names --------------------
+
+    def before_gpu(self, run: Run, target: Target, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _checks.Prepared:
+        __tracebackhide__ = True
+        setting = _settings.current("device").value
+        gpus = [device for device in device_list(setting) if DEVICES[device][2] == "gpu"] or [target.device]
+        compiling = [_gpu_compile.start_compile(run.kernel.build, args, kwargs, gpu) for gpu in gpus]
+        if all(each.ready for each in compiling):
+            return self.gpu_verdict(run, target, [each.outcome() for each in compiling])
+        return _checks.Prepared(pending=lambda: self.gpu_verdict(run, target, [each.outcome() for each in compiling]))
+
+    def gpu_verdict(self, run: Run, target: Target, outcomes: list[_gpu_compile.Outcome]) -> _checks.Prepared:
+        """XLA's outcomes for each GPU as the check's note, or its finding."""
+        __tracebackhide__ = True
+        for outcome in outcomes:
+            if outcome.unchecked is not None:
+                why = f"for {outcome.gpu}: {outcome.unchecked}"
+                note = f"compile: not checked {why}"
+                return _checks.Prepared(
+                    _checks.unchecked(self.name, why, kernel=run.kernel.info, call_site=run.call_site, note=note)
+                )
+        refused = [outcome for outcome in outcomes if outcome.error_type is not None]
+        compiled = [outcome for outcome in outcomes if outcome.error_type is None]
+        if not refused:
+            kept = {o.gpu: " (cached: an earlier run compiled it)" if o.cached else "" for o in compiled}
+            return _checks.Prepared("compile: compiles for " + "; ".join(f"{gpu}{why}" for gpu, why in kept.items()))
+        first = refused[0]
+        source = target.source if first.gpu == target.device else "the device setting"
+        if compiled:
+            source += f"; it compiles for {_and([o.gpu for o in compiled])}"
+        if len(refused) > 1:
+            others = [o.gpu for o in refused[1:]]
+            source += f"; {_and(others)} {'refuses' if len(others) == 1 else 'refuse'} it too"
+        refusal = first.lowering or _gpu_refusal(first)
+        error = _diagnostics.lowering_refused(
+            kernel=run.kernel.info,
+            call_site=run.call_site,
+            target=f"{first.gpu} ({source})",
+            error=refusal,
+            fix=_diagnostics.gpu_refusal_fix(str(refusal), _gpu_compile.TARGETS[first.gpu], first.gpu),
+            source=_settings.stated("checks"),
+            check=self.name,
+            step="JAX's lowering for CUDA (before XLA's GPU compiler)" if first.lowering else "XLA's GPU compile",
+        )
+        raise _checks.found(self.name, as_the_targets(error, refusal), kernel=run.kernel.info, call_site=run.call_site)
+
+
+def _why_not_on_a_tpu(run: Run) -> str | None:
+    aborting = _aborting_memory_space(run.kernel.kwargs)
+    if aborting is not None:
+        return f"libtpu aborts the process on {aborting} operands"
+    return _tpu_compile.available()
+
+
+def _why_not_on_a_gpu(run: Run) -> str | None:
+    if run.called_in():
+        return "a kernel inside shard_map is not compiled for a GPU (one GPU is described)"
+    return _gpu_compile.available()
+
+
+def _gpu_refusal(outcome: _gpu_compile.Outcome) -> BaseException:
+    """The refusal the child process reported, as the exception type the GPU's compile raises
+    where it raises one (``JaxRuntimeError``, ``ValueError``); a fatal error has none."""
+    import jax
+
+    types: dict[str, type[BaseException]] = {"JaxRuntimeError": jax.errors.JaxRuntimeError, "ValueError": ValueError}
+    types["XlaRuntimeError"] = types["JaxRuntimeError"]
+    cls = types.get(outcome.error_type or "", GpuCompilerError)
+    return cls(outcome.message or "")
+
+
+class GpuCompilerError(Exception):
+    """A refusal that ended XLA's GPU compiler's process (an LLVM fatal error), or of a type the guard
+    does not recreate: its text is the compiler's."""
 
 
 def _label(generation: str, mesh: _tpu_compile.Mesh | None) -> str:

@@ -528,18 +528,20 @@ def lowering_refused(
     source: str,
     check: str = "lowering",
     fix: str | None = None,
+    step: str | None = None,
 ) -> PallasGuardError:
     """The kernel's real target refused it (``target``: the platform, the device and where it came
-    from), in JAX's lowering or the target's compiler (``check``); the interpreted result is not
+    from), in JAX's lowering or the target's compiler (``check``; ``step`` names who refused where
+    it is neither JAX's lowering nor the TPU's compiler); the interpreted result is not
     returned. JAX's text is said once, here (the error is raised without its cause), cut to what
     names the cause: at most ``_REFUSAL_LINES`` lines, with a "To fix" where one can be computed."""
     said = _refusal_text(error)
     fix = fix or refusal_fix(error)
+    step = step or f"{'JAX' if check == 'lowering' else 'the TPU compiler'}'s {check}"
     return PallasGuardError(
         f"pallas_guard: {_describe(kernel, call_site)} runs interpreted on the CPU, but its target refuses "
         f"it, found by the {check} check ({source}): "
-        f"{'JAX' if check == 'lowering' else 'the TPU compiler'}'s {check} for {target} raised {said}"
-        + (f"\nTo fix: {fix}" if fix else "")
+        f"{step} for {target} raised {said}" + (f"\nTo fix: {fix}" if fix else "")
     )
 
 
@@ -764,6 +766,35 @@ def _one_core(refused: _Refused) -> str | None:
 
 _FIXES = (_legal_block, _tiled_block, _scoped_vmem, _whole_vmem, _whole_smem, _cast, _aligned, _one_core)
 """Each refusal whose fix can be named, and how: the first that recognises the text says it."""
+
+
+def gpu_refusal_fix(text: str, gpu: Any, name: str) -> str | None:
+    """A "To fix" for what XLA's GPU compiler refuses: blocks over a GPU's shared memory, a type its
+    architecture lacks. ``gpu``: the target's figures (``gpu_compile.Gpu``)."""
+    memory = re.search(r"requested (\d+), available: (\d+)|smem_bytes=(\d+) > max_smem_bytes=(\d+)", text)
+    if memory is not None:
+        used, limit = (int(n) for n in (memory.group(1, 2) if memory.group(1) else memory.group(3, 4)))
+        return (
+            f"the kernel's blocks need {_size(used)} of shared memory and one block on an {name.upper()} can have "
+            f"{_size(gpu.shared_memory_per_block_optin)}: shrink its block shapes (or num_stages, which keeps that "
+            f"many copies of each block) by {used / limit:.1f}x"
+        )
+    if re.search(r"f8|float8|fp8", text, re.IGNORECASE):
+        return (
+            f"an {name.upper()} (compute capability {gpu.compute_capability}.0) has no float8 arithmetic "
+            "(it needs 8.9 or later: H100, L4): compute in bfloat16 there, or leave it out of the device setting"
+        )
+    arch = re.search(r"not supported on sm_(\d+)", text)
+    if arch is not None:
+        return (
+            f"the kernel uses an instruction sm_{arch.group(1)} (an {name.upper()}) lacks: keep it to GPUs "
+            "that have it, or leave this GPU out of the device setting"
+        )
+    return None
+
+
+def _size(count: int) -> str:
+    return f"{count / 1024:.0f} KiB" if count < 1 << 20 else f"{count / (1 << 20):.1f} MiB"
 
 
 def refusal_fix(

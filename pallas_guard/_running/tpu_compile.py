@@ -18,7 +18,6 @@ from __future__ import annotations
 import base64
 import contextlib
 import functools
-import hashlib
 import importlib
 import importlib.metadata
 import importlib.util
@@ -33,6 +32,7 @@ from typing import Any, NamedTuple
 from pallas_guard._deciding import device as _device
 from pallas_guard._jax import lookup as jax_lookup
 from pallas_guard._jax import tracing as jax_tracing
+from pallas_guard._running import kept as _kept
 from pallas_guard_autoload import TPU_DEVICES_PER_CHIP, TPU_SLICE_DIMS, slice_devices
 
 
@@ -539,10 +539,8 @@ _VERDICT_FORMAT = "memory with scratch"
 
 
 def verdicts_dir() -> str:
-    """Where compiles that succeeded are kept: ``$XDG_CACHE_HOME/pallas_guard/tpu-compiles`` (else
-    ``~/.cache/...``). Delete it to compile everything again."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "pallas_guard", "tpu-compiles")
+    """Where compiles that succeeded are kept (``kept``)."""
+    return _kept.folder("tpu-compiles")
 
 
 def _verdict_file(lowered: Any, generation: str, where: str) -> str | None:
@@ -558,8 +556,7 @@ def _verdict_file(lowered: Any, generation: str, where: str) -> str | None:
     # The compiler's flags change its verdict too (LIBTPU_INIT_ARGS can set the scoped VMEM limit).
     flags = tuple(os.environ.get(name, "") for name in ("LIBTPU_INIT_ARGS", "XLA_FLAGS"))
     compiler = (_VERDICT_FORMAT, repr(GENERATIONS.get(generation)), *_versions(), library, *flags)
-    digest = hashlib.sha256("\0".join((*compiler, generation, where, text)).encode()).hexdigest()
-    return os.path.join(verdicts_dir(), f"{digest}.json")
+    return _kept.file_for("tpu-compiles", *compiler, generation, where, text)
 
 
 @functools.cache
@@ -569,13 +566,12 @@ def _versions() -> tuple[str, ...]:
 
 
 def _read_verdict(path: str | None) -> Memory | None:
-    if path is None:
-        return None
+    fields = _kept.read(path)
     try:
-        with open(path, encoding="utf-8") as file:
-            fields = json.load(file)
-        known = Memory(**fields)
-    except (OSError, ValueError, TypeError):  # absent, unreadable or not ours: compile
+        known = Memory(**fields) if isinstance(fields, dict) else None
+    except TypeError:  # not ours: compile
+        return None
+    if known is None:
         return None
     numbers = (known.vmem_used, known.vmem_limit, known.smem_used, known.vmem_scratch)
     if not isinstance(known.kernels, int) or not all(n is None or isinstance(n, int) for n in numbers):
@@ -584,17 +580,7 @@ def _read_verdict(path: str | None) -> Memory | None:
 
 
 def _write_verdict(path: str | None, usage: Memory) -> None:
-    if path is None:
-        return
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        # Written whole, then renamed: a reader in another process sees all of it or nothing.
-        temporary = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
-        with open(temporary, "w", encoding="utf-8") as file:
-            json.dump(usage._asdict(), file)
-        os.replace(temporary, path)
-    except OSError:  # a read-only home: the compile is not kept, nothing else changes
-        pass
+    _kept.write(path, usage._asdict())
 
 
 def _placed(tree: Any, sharding: Any) -> Any:
