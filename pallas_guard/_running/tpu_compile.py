@@ -476,9 +476,16 @@ def _compiling(lowered: Any, generation: str, where: str, *, start: float, smem_
 
     def compile_it() -> None:
         try:
-            done.append(lowered.compile())
-        except BaseException as error:  # handed to the caller as raised
+            compiled = lowered.compile()
+        except BaseException as error:  # the refusal, handed to the caller as raised
             done.append(error)
+            return
+        try:  # the figures read in the thread too, beside the interpreted run rather than after it
+            usage = memory(compiled.as_text() or "", generation)
+            _write_verdict(cache, usage)
+            done.append(usage)
+        except BaseException as error:  # the guard's own failure: raised in the caller, never a verdict
+            done.append(_OwnFailure(error))
 
     worker = threading.Thread(target=compile_it, name="pallas_guard TPU compile", daemon=True)
     worker.start()
@@ -487,6 +494,8 @@ def _compiling(lowered: Any, generation: str, where: str, *, start: float, smem_
         worker.join()
         seconds = time.perf_counter() - start
         result = done[0]
+        if isinstance(result, _OwnFailure):
+            raise result.error
         if isinstance(result, BaseException):
             if not isinstance(result, Exception) or isinstance(result, (MemoryError, RecursionError)):
                 raise result
@@ -503,11 +512,13 @@ def _compiling(lowered: Any, generation: str, where: str, *, start: float, smem_
             if cache is not None:
                 _refused[cache] = refusal
             return refusal
-        usage = memory(result.as_text() or "", generation)
-        _write_verdict(cache, usage)
-        return _compiled(generation, usage, smem_limit, seconds, cached=False)
+        return _compiled(generation, result, smem_limit, seconds, cached=False)
 
     return Compiling(outcome, ready=False)
+
+
+class _OwnFailure(NamedTuple):
+    error: BaseException
 
 
 def _compiled(generation: str, usage: Memory, smem_limit: int | None, seconds: float, *, cached: bool) -> Outcome:
