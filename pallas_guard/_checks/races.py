@@ -143,7 +143,9 @@ def _judged_semaphore_wait(wait: Callable[..., Any]) -> Callable[..., Any]:
     def pallas_guard_wait(self: Any, value: Any, global_core_id: Any, *args: Any, **kwargs: Any) -> Any:
         view = jax_pallas.semaphore_view(self)
         of_a_dma = bool(args or kwargs.get("has_tasks") or kwargs.get("is_dma"))
-        if view is None or (of_a_dma and not view.dmas_at_start):  # the wait runs the DMAs it waits for
+        if view is None or not jax_pallas.guards_state("tpu", view.state):  # a kernel you run there yourself
+            return wait(self, value, global_core_id, *args, **kwargs)
+        if of_a_dma and not view.dmas_at_start:  # the wait runs the DMAs it waits for
             return wait(self, value, global_core_id, *args, **kwargs)
         if not _until_held(self, view, int(value), int(global_core_id)):
             return None  # let go: no core will signal it

@@ -78,7 +78,10 @@ def interpret_value(name: str, candidates: _interpreters.Candidates, *, cores: i
         overrides["num_cores_or_threads"] = cores
     # Only the fields this jax's class has (dma_execution_mode, on_race, ... vary by version).
     fields = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set(overrides)
-    return cls(**{k: v for k, v in overrides.items() if k in fields})
+    value = cls(**{k: v for k, v in overrides.items() if k in fields})
+    with contextlib.suppress(AttributeError, TypeError):  # a frozen dataclass takes it this way
+        object.__setattr__(value, jax_pallas.GUARDS_RUN, True)
+    return value
 
 
 def _shape_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:

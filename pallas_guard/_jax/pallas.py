@@ -196,6 +196,16 @@ _SHARED_STATES = {
 }
 
 
+GUARDS_RUN = "pallas_guard_run"
+"""Set on the ``interpret=`` objects the guard makes: the interpreter states made from them are its own."""
+_guards_states: dict[str, Any] = {}
+
+
+def guards_state(interpreter: str, state: Any) -> bool:
+    """Whether ``state`` is that of a run the guard made (not one of a kernel you run there yourself)."""
+    return state is not None and _guards_states.get(interpreter) is state
+
+
 def start_each_run_clean(interpreter: str, hooks: list[Any]) -> None:
     """Make every later run of ``interpreter`` start from a fresh state, as JAX's own clean-up
     leaves it when a kernel returns.
@@ -224,6 +234,8 @@ def start_each_run_clean(interpreter: str, hooks: list[Any]) -> None:
                 result = initialize(*args, **kwargs)
                 state = vars(module).get("_shared_memory")
                 watched[:] = [state, watched[1] + 1 if state is watched[0] else 1]
+                ours = getattr(kwargs.get("interpret_params"), GUARDS_RUN, False) is True
+                _guards_states[interpreter] = state if ours else None
             return result
 
         pallas_guard_initialize.pallas_guard_fresh_state = True  # type: ignore[attr-defined]
