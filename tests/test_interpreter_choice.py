@@ -415,6 +415,24 @@ def test_a_wait_nothing_signals_in_tpu_interpret_mode_is_a_finding_not_a_hang(
     np.testing.assert_array_equal(_dma_call(dma_kernel, x), x)  # the next kernel runs clean
 
 
+def test_uninstall_puts_the_judged_waits_back_and_forgets_the_guards_interpreter_state(
+    guard: Callable[..., None], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    semaphore = jax_pallas.semaphore_class("tpu")
+    if semaphore is None:
+        pytest.skip("this jax has no TPU interpret mode semaphore")
+    jaxs_wait = vars(semaphore)["wait"]
+    _detect_races(monkeypatch)
+    guard("interpret", interpreter="tpu")
+    x = jnp.ones((8, 128), jnp.float32)
+    np.testing.assert_array_equal(_dma_call(dma_kernel, x), x)
+    assert vars(semaphore)["wait"] is not jaxs_wait  # judged while the guard is installed
+    assert "tpu" in jax_pallas._guards_states
+    pallas_guard.uninstall()
+    assert vars(semaphore)["wait"] is jaxs_wait
+    assert "tpu" not in jax_pallas._guards_states
+
+
 def test_env_switches_race_detection_on() -> None:
     code = """
         import jax, jax.numpy as jnp

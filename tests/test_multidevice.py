@@ -8,6 +8,7 @@ became ``check_vma``): located by feature detection, like everything else.
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 from conftest import run_python
@@ -230,15 +231,13 @@ except pallas_guard.PallasGuardError as error:
 )
 
 
-@pytest.mark.parametrize("waits", [True, False], ids=["waits for its receive", "never waits for its receive"])
-def test_a_race_across_devices_is_found_without_hanging_the_process(waits: bool) -> None:
-    """Each device runs the kernel in a thread of TPU interpret mode, which waits for all of them at
-    the end: the finding is raised once the computation is done (a subprocess timeout fails the
-    test where it would hang)."""
+def _under_races_on_four_devices(program: str) -> dict[str, Any]:
+    """``program``'s last line (JSON), run under ``races`` on 4 CPU devices in a process of its own
+    (a timeout fails the test where the process would hang); skipped without TPU interpret mode."""
     if not interpreters.available("tpu"):
         pytest.skip("this jax has no TPU interpret mode")
     result = run_python(
-        RING.replace("sys.argv[1]", repr("waits" if waits else "no")),
+        program,
         env={
             "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
             "JAX_PLATFORMS": "cpu",
@@ -248,7 +247,16 @@ def test_a_race_across_devices_is_found_without_hanging_the_process(waits: bool)
         timeout=180,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    report: dict[str, Any] = json.loads(result.stdout.strip().splitlines()[-1])
+    return report
+
+
+@pytest.mark.parametrize("waits", [True, False], ids=["waits for its receive", "never waits for its receive"])
+def test_a_race_across_devices_is_found_without_hanging_the_process(waits: bool) -> None:
+    """Each device runs the kernel in a thread of TPU interpret mode, which waits for all of them at
+    the end: the finding is raised once the computation is done (a subprocess timeout fails the
+    test where it would hang)."""
+    report = _under_races_on_four_devices(RING.replace("sys.argv[1]", repr("waits" if waits else "no")))
     if waits:
         assert report == {"received": [3.0, 0.0, 1.0, 2.0]}
     else:
@@ -290,20 +298,7 @@ except pallas_guard.PallasGuardError as error:
 def test_a_race_in_the_first_of_two_kernels_across_devices_is_found() -> None:
     """The detector's verdict is read as each kernel ends: a later kernel of the same program,
     which starts the detector afresh, does not hide the race of an earlier one."""
-    if not interpreters.available("tpu"):
-        pytest.skip("this jax has no TPU interpret mode")
-    result = run_python(
-        TWO_RINGS,
-        env={
-            "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
-            "JAX_PLATFORMS": "cpu",
-            "PALLAS_GUARD_POLICY": "interpret",
-            "PALLAS_GUARD_CHECKS": "races",
-        },
-        timeout=180,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    report = _under_races_on_four_devices(TWO_RINGS)
     assert report.get("found", "").startswith("pallas_guard: a data race was detected in Pallas kernel 'ring'"), report
 
 
@@ -374,20 +369,7 @@ except pallas_guard.PallasGuardError as error:
 
 
 def test_a_receive_no_device_sends_is_a_finding_not_a_hang() -> None:
-    if not interpreters.available("tpu"):
-        pytest.skip("this jax has no TPU interpret mode")
-    result = run_python(
-        UNSENT,
-        env={
-            "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
-            "JAX_PLATFORMS": "cpu",
-            "PALLAS_GUARD_POLICY": "interpret",
-            "PALLAS_GUARD_CHECKS": "races",
-        },
-        timeout=180,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    found = json.loads(result.stdout.strip().splitlines()[-1])["found"]
+    found = _under_races_on_four_devices(UNSENT)["found"]
     assert found.startswith("pallas_guard: a race (a semaphore wait no signal satisfies) in Pallas kernel 'ring'")
     # Device 1 got device 0's block (4096 bytes); 0, 2 and 3 wait for one nobody sends.
     assert "the waits of device 0 core 0 for 4096 (it holds 0), of device 2 core 0 for 4096 (it holds 0)" in found
@@ -399,20 +381,7 @@ def test_a_wait_no_device_signals_is_a_finding_not_a_hang(signalled: bool) -> No
     """TPU interpret mode runs each device in a thread of its own: a semaphore wait that no device
     will signal blocks for ever, as the TPU would. Under races it is a finding (a subprocess
     timeout fails the test where it would hang); waits that are signalled run as before."""
-    if not interpreters.available("tpu"):
-        pytest.skip("this jax has no TPU interpret mode")
-    result = run_python(
-        UNSIGNALLED.replace("sys.argv[1]", repr("signalled" if signalled else "no")),
-        env={
-            "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
-            "JAX_PLATFORMS": "cpu",
-            "PALLAS_GUARD_POLICY": "interpret",
-            "PALLAS_GUARD_CHECKS": "races",
-        },
-        timeout=180,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    report = _under_races_on_four_devices(UNSIGNALLED.replace("sys.argv[1]", repr("signalled" if signalled else "no")))
     if signalled:
         assert report == {"sum": 4 * 8 * 128.0}
         return

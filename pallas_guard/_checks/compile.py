@@ -127,7 +127,8 @@ class Compile(_checks.Check):
         __tracebackhide__ = True
         setting = _settings.current("device").value
         gpus = [device for device in device_list(setting) if DEVICES[device][2] == "gpu"] or [target.device]
-        compiling = [_gpu_compile.start_compile(run.kernel.build, args, kwargs, gpu) for gpu in gpus]
+        avals, kwavals = _lowering_check.shapes_of((args, kwargs))  # lowered without values, as the lowering check does
+        compiling = [_gpu_compile.start_compile(run.kernel.build, avals, kwavals, gpu) for gpu in gpus]
         if all(each.ready for each in compiling):
             return self.gpu_verdict(run, target, [each.outcome() for each in compiling])
         return _checks.Prepared(pending=lambda: self.gpu_verdict(run, target, [each.outcome() for each in compiling]))

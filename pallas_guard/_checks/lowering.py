@@ -98,7 +98,7 @@ def target_for(family: str | None, setting: str | None) -> Target | str:
     return "a generic kernel has no target of its own: set a device (PALLAS_GUARD_DEVICE) to lower it for one"
 
 
-def _avals(tree: Any) -> Any:
+def shapes_of(tree: Any) -> Any:
     """Arrays and tracers as their shapes and dtypes: the kernel lowers without values."""
     import jax
 
@@ -157,7 +157,7 @@ def check(
     missing = lowering_api()
     if missing is not None:
         return Outcome(f"lowering: not checked: {missing}", unchecked=missing)
-    avals, kwavals = _avals((args, kwargs))
+    avals, kwavals = shapes_of((args, kwargs))
     hook(hooks)
     token = _as_the_target.set(True)
     try:
@@ -190,7 +190,7 @@ def unsupported_primitive_fix(
     if match is None:
         return None
     primitive = match.group(1)
-    avals, kwavals = _avals((args, kwargs))
+    avals, kwavals = shapes_of((args, kwargs))
     try:
         traced = jax.make_jaxpr(build())(*avals, **kwavals)
     except Exception:  # no line to name: the refusal stands without one

@@ -135,7 +135,22 @@ def _judge_waits_across_cores(hooks: list[Any]) -> None:
     semaphore = jax_pallas.semaphore_class("tpu")
     if semaphore is None:
         return
+    before = len(hooks)
     wrap(semaphore, "wait", _judged_semaphore_wait, hooks, is_ours=lambda f: getattr(f, "pallas_guard_waits", False))
+    if len(hooks) > before:  # wrapped now: what it judged is forgotten when it is put back
+        hooks.insert(before, _ForgetWaits())
+
+
+class _ForgetWaits:
+    """On uninstall: hangs not yet reported, and waits under way, are dropped (no later install's
+    kernel is reported for them)."""
+
+    @staticmethod
+    def restore() -> None:
+        with _waiting_lock:
+            _hangs.clear()
+            _waiting.clear()
+            _let_go.clear()
 
 
 def _judged_semaphore_wait(wait: Callable[..., Any]) -> Callable[..., Any]:

@@ -18,6 +18,7 @@ from pallas_guard._jax import lookup as jax_lookup
 from pallas_guard._jax import source as jax_source
 from pallas_guard._vocabulary.enums import Policy
 from pallas_guard._vocabulary.errors import PallasGuardError, PallasGuardWarning
+from pallas_guard._vocabulary.record import size
 from pallas_guard._vocabulary.settings import Setting, current, how_to_set
 from pallas_guard_autoload import CHECKS_ENV, INTERPRETER_ENV, printable
 
@@ -775,8 +776,8 @@ def gpu_refusal_fix(text: str, gpu: Any, name: str) -> str | None:
     if memory is not None:
         used, limit = (int(n) for n in (memory.group(1, 2) if memory.group(1) else memory.group(3, 4)))
         return (
-            f"the kernel's blocks need {_size(used)} of shared memory and one block on an {name.upper()} can have "
-            f"{_size(gpu.shared_memory_per_block_optin)}: shrink its block shapes (or num_stages, which keeps that "
+            f"the kernel's blocks need {size(used)} of shared memory and one block on an {name.upper()} can have "
+            f"{size(gpu.shared_memory_per_block_optin)}: shrink its block shapes (or num_stages, which keeps that "
             f"many copies of each block) by {used / limit:.1f}x"
         )
     if re.search(r"f8|float8|fp8", text, re.IGNORECASE):
@@ -791,10 +792,6 @@ def gpu_refusal_fix(text: str, gpu: Any, name: str) -> str | None:
             "that have it, or leave this GPU out of the device setting"
         )
     return None
-
-
-def _size(count: int) -> str:
-    return f"{count / 1024:.0f} KiB" if count < 1 << 20 else f"{count / (1 << 20):.1f} MiB"
 
 
 def refusal_fix(

@@ -101,6 +101,16 @@ def probing() -> Iterator[None]:
         warnings.warn(text, PallasGuardWarning, stacklevel=3)
 
 
+def distribution_version(name: str) -> str | None:
+    """The installed version of distribution ``name`` (its metadata; nothing imported), or None."""
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def jax_version(package: str = "jax") -> str:
     """The running jax's version (or jaxlib's: ``package="jaxlib"``), for messages only."""
     return str(getattr(sys.modules.get(package), "__version__", "unknown"))

@@ -201,6 +201,20 @@ GUARDS_RUN = "pallas_guard_run"
 _guards_states: dict[str, Any] = {}
 
 
+def _state_module(interpreter: str) -> types.ModuleType | None:
+    return next((m for m in map(import_optional, _SHARED_STATES.get(interpreter, ())) if m is not None), None)
+
+
+class _ForgetGuardsState:
+    """On uninstall: the state the guard's last run made is no longer held (nor told apart)."""
+
+    def __init__(self, interpreter: str) -> None:
+        self.interpreter = interpreter
+
+    def restore(self) -> None:
+        _guards_states.pop(self.interpreter, None)
+
+
 def guards_state(interpreter: str, state: Any) -> bool:
     """Whether ``state`` is that of a run the guard made (not one of a kernel you run there yourself)."""
     return state is not None and _guards_states.get(interpreter) is state
@@ -217,7 +231,7 @@ def start_each_run_clean(interpreter: str, hooks: list[Any]) -> None:
     wrapper never saw. The entry added to ``hooks`` puts JAX's function back."""
     from pallas_guard._vocabulary.patch import wrap
 
-    module = next((m for m in map(import_optional, _SHARED_STATES.get(interpreter, ())) if m is not None), None)
+    module = _state_module(interpreter)
     if module is None or not callable(vars(module).get("_initialize_shared_memory")):
         note_missing(f"{interpreter.upper()} interpret mode state", "a kernel after a failed one may run unchecked")
         return
@@ -241,6 +255,7 @@ def start_each_run_clean(interpreter: str, hooks: list[Any]) -> None:
         pallas_guard_initialize.pallas_guard_fresh_state = True  # type: ignore[attr-defined]
         return pallas_guard_initialize
 
+    before = len(hooks)
     wrap(
         module,
         "_initialize_shared_memory",
@@ -248,6 +263,8 @@ def start_each_run_clean(interpreter: str, hooks: list[Any]) -> None:
         hooks,
         is_ours=lambda f: getattr(f, "pallas_guard_fresh_state", False) is True,
     )
+    if len(hooks) > before:  # wrapped now: forgotten when it is put back
+        hooks.insert(before, _ForgetGuardsState(interpreter))
 
 
 def semaphore_class(interpreter: str = "tpu") -> type | None:
@@ -283,7 +300,7 @@ def semaphore_view(semaphore: Any, interpreter: str = "tpu") -> SemaphoreView | 
         counts = getattr(semaphore, "counts", None)
     state = getattr(semaphore, "shared_memory", None)
     if state is None:  # 0.7.x: one state, module-wide
-        module = next((m for m in map(import_optional, _SHARED_STATES.get(interpreter, ())) if m is not None), None)
+        module = _state_module(interpreter)
         state = vars(module).get("_shared_memory") if module is not None else None
     if counts is None or state is None:
         return None

@@ -96,7 +96,7 @@ def available() -> str | None:
     """None where this process can compile for a GPU without one; else why not, in one line, with
     the install command. Cheap: the wheels are found, not loaded."""
     version = jax_lookup.jax_version()
-    installed = {name: _distribution_version(name) for name in WHEELS}
+    installed = {name: jax_lookup.distribution_version(name) for name in WHEELS}
     missing = [name for name, found in installed.items() if found is None]
     if missing:
         return f"XLA's GPU compiler is not installed ({', '.join(missing)} missing): {install_command()}"
@@ -106,14 +106,6 @@ def available() -> str | None:
     if _ptxas() is None:
         return f"no ptxas in {WHEELS[2]}: {install_command()}"
     return None
-
-
-@functools.cache
-def _distribution_version(name: str) -> str | None:
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 @functools.cache
@@ -162,8 +154,8 @@ class Compiling:
 def start_compile(
     build: Callable[[], Callable[..., Any]], args: tuple[Any, ...], kwargs: dict[str, Any], gpu: str
 ) -> Compiling:
-    """The kernel lowered for CUDA and exported here, now; XLA's compile for ``gpu`` started in a
-    child process, which runs beside the caller."""
+    """The kernel lowered for CUDA and exported here, now (``args``, ``kwargs``: the operands'
+    shapes and dtypes); XLA's compile for ``gpu`` started in a child process, beside the caller."""
     import jax
     from jax import export
 
@@ -175,16 +167,10 @@ def start_compile(
         return known(
             Outcome(gpu, unchecked=f"no description of {gpu} to compile for (described: {', '.join(TARGETS)})")
         )
-    shaped: Any = jax.ShapeDtypeStruct
-
-    def aval(leaf: Any) -> Any:
-        return shaped(leaf.shape, leaf.dtype) if hasattr(leaf, "shape") and hasattr(leaf, "dtype") else leaf
-
-    avals, kwavals = jax.tree_util.tree_map(aval, (args, kwargs))
     start = time.perf_counter()
     try:
         checks = [export.DisabledSafetyCheck.custom_call(name) for name in _GPU_CALLS]
-        exported = export.export(jax.jit(build()), platforms=["cuda"], disabled_checks=checks)(*avals, **kwavals)
+        exported = export.export(jax.jit(build()), platforms=["cuda"], disabled_checks=checks)(*args, **kwargs)
         blob = bytes(exported.serialize())
     except (MemoryError, RecursionError):
         raise
@@ -285,7 +271,7 @@ _VERDICT_FORMAT = "gpu compiles"
 
 
 def _verdict_file(blob: bytes, gpu: str) -> str:
-    versions = (jax_lookup.jax_version() or "", *(_distribution_version(n) or "" for n in ("jaxlib", *WHEELS)))
+    versions = (jax_lookup.jax_version(), *(jax_lookup.distribution_version(n) or "" for n in ("jaxlib", *WHEELS)))
     target = repr(TARGETS.get(gpu))
     return _kept.file_for(
         "gpu-compiles", _VERDICT_FORMAT, target, *versions, os.environ.get("XLA_FLAGS", ""), gpu, blob

@@ -166,11 +166,7 @@ def available() -> str | None:
     return None
 
 
-def _distribution_version(name: str) -> str | None:
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return None
+_distribution_version = jax_lookup.distribution_version
 
 
 def _matches(version: str, pin: str) -> bool:
