@@ -20,6 +20,7 @@ interpreted kernels (``--pallas-guard-durations``).
 from __future__ import annotations
 
 import os
+import re
 import sys
 from collections import Counter
 from collections.abc import Generator, Iterator
@@ -602,7 +603,11 @@ def duration_lines(rows: list[dict[str, Any]], durations: dict[str, float], *, c
         if row["action"] == "interpreted" and row["test"] != OUTSIDE_TESTS:
             steps = row.get("steps")
             counted = "grid steps unknown" if steps is None else f"{steps} step{'s' if steps != 1 else ''}"
-            what = f"{row['kernel']} ({row['interpreter'] or '?'}, {counted})"
+            compiled = [
+                f"compiled for {m.group(1)} in {m.group(2)} s"
+                for m in _COMPILE_TOOK.finditer(" ".join(row.get("notes") or ()))
+            ]
+            what = f"{row['kernel']} ({', '.join([row['interpreter'] or '?', counted, *compiled])})"
             kernels.setdefault(row["test"], Counter())[what] += 1
             whys.setdefault(row["test"], {})[f"{row['kernel']}: {row['why']}"] = None
     if not kernels:
@@ -624,7 +629,8 @@ def duration_lines(rows: list[dict[str, Any]], durations: dict[str, float], *, c
 
 
 def _memory(state: _Session, config: pytest.Config, *, details: bool) -> list[str]:
-    """The TPU memory figures: lines for the summary; the report and the step summary written."""
+    """The compile check's memory figures (TPU and GPU): lines for the summary; the report and the
+    step summary written."""
     path = config.getoption("pallas_guard_report")
     if not path and not any(row.get("memory") for row in state.rows):
         return []
@@ -654,6 +660,8 @@ def _memory(state: _Session, config: pytest.Config, *, details: bool) -> list[st
 
 
 _COMPILED = "compile: compiles for "
+# A GPU compile's time in its note (``compile.COMPILE_TOOK``): ptxas is the long pole of a slow test.
+_COMPILE_TOOK = re.compile(r"(?:compiles for |; )([\w-]+)[^;]*?\(XLA's compile: ([\d.]+) s\)")
 _MEMORY_LINES = 10
 """Memory figures the summary shows without --pallas-guard-details: the tightest."""
 

@@ -10,8 +10,14 @@ and how to install it.
 from __future__ import annotations
 
 import functools
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
+import gpu_corpus
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -138,12 +144,16 @@ def test_a_mosaic_gpu_kernel_with_hopper_instructions_is_refused_for_an_a100_wit
 def test_a_compile_that_succeeded_is_kept_on_disk(guard: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     x = jnp.arange(128.0)
-    for expected in ("compile: compiles for h100", "compile: compiles for h100 (cached: an earlier run compiled it)"):
+    figures = []
+    for ending in ("s)", "(cached: an earlier run compiled it)"):
         jax.clear_caches()
         pallas_guard.uninstall()  # a later run: the guard reinstalled, JAX's caches cleared
         guard("interpret", checks="compile", device="h100")
         pl.pallas_call(add_one, out_shape=x, compiler_params=_triton_params())(x)
-        assert _compile_notes() == [expected]
+        (note,) = _compile_notes()
+        assert note.startswith("compile: compiles for h100: ") and note.endswith(ending)
+        figures.append(pallas_guard.decisions()[-1].memory)
+    assert figures[0] == figures[1] and figures[0]  # the figures are kept with the verdict
     assert list((tmp_path / "pallas_guard" / "gpu-compiles").glob("*.json"))
 
 
@@ -156,3 +166,173 @@ def test_a_block_jaxs_triton_lowering_refuses_is_refused_before_the_compiler(gua
     text = str(raised.value)
     assert "JAX's lowering for CUDA (before XLA's GPU compiler) for h100 (the device setting) raised ValueError" in text
     assert "requires that all operations have array arguments and results whose size is a power of 2" in text
+
+
+def _operands() -> tuple[jax.Array, jax.Array]:
+    x = (jnp.arange(256 * 1024) % 7).reshape(256, 1024).astype(jnp.float16)
+    return x, x.T
+
+
+def _figures() -> dict[str, tuple[int, int]]:
+    return {use.space: (use.used, use.limit) for use in pallas_guard.decisions()[-1].memory}
+
+
+def _ptxas() -> str:
+    folder = gpu_compile._ptxas()
+    assert folder is not None
+    return os.path.join(folder, "ptxas")
+
+
+@needs_the_compiler
+def test_a_triton_kernels_figures_are_xlas_and_ptxass_own(
+    guard: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # XLA dumps what it compiled (the child inherits XLA_FLAGS): its thunk sequence states the
+    # kernel's shared memory, and ptxas -v, run here on the dumped PTX, its registers and spills.
+    monkeypatch.setenv("XLA_FLAGS", f"--xla_dump_to={tmp_path}")
+    guard("interpret", checks="compile", device="h100")
+    x, y = _operands()
+    exact = (np.asarray(x, np.float32) @ np.asarray(y, np.float32)).astype(np.float16)  # sums exact in f32
+    np.testing.assert_array_equal(gpu_corpus.pipelined_matmul(x, y, stages=3), exact)
+    (sequence,) = tmp_path.glob("*thunk_sequence.txt")
+    shared = int(re.search(r"shared_memory: (\d+) bytes", sequence.read_text()).group(1))  # type: ignore[union-attr]
+    (ptx,) = [path for path in tmp_path.glob("*.ptx") if ".entry" in path.read_text()]
+    report = subprocess.run(
+        [_ptxas(), "-arch=sm_90a", "-v", str(ptx), "-o", os.devnull], capture_output=True, text=True, check=False
+    )
+    registers = int(re.search(r"Used (\d+) registers", report.stderr).group(1))  # type: ignore[union-attr]
+    stores = int(re.search(r"(\d+) bytes spill stores", report.stderr).group(1))  # type: ignore[union-attr]
+    figures = _figures()
+    assert figures["shared memory"] == (shared, 232448) and shared == 3 * 32768  # three stages of 32 KiB
+    assert figures["registers"] == (registers, 255)
+    assert stores == 0 and "spill stores" not in figures
+    (note,) = _compile_notes()
+    assert f"shared memory 96.0 KiB of 227.0 KiB (42%), registers {registers} of 255 per thread" in note
+    assert re.search(r"\(XLA's compile: [\d.]+ s\)$", note)
+    # The pytest plugin's list of slow tests names the compile's time beside the interpreted run.
+    import pallas_guard_pytest
+
+    decision = pallas_guard.decisions()[-1]
+    row = {"action": "interpreted", "test": "t.py::test", "kernel": decision.kernel, "interpreter": "plain"}
+    row |= {"steps": 4, "why": "w", "notes": decision.notes}
+    (listed,) = [
+        line for line in pallas_guard_pytest.duration_lines([row], {"t.py::test": 9.0}, count=5) if "9.00s" in line
+    ]
+    assert re.search(r"kernel \(plain, 4 steps, compiled for h100 in [\d.]+ s\)", listed)
+
+
+@needs_the_compiler
+def test_num_stages_an_h100_holds_are_refused_for_an_a100_and_leave_no_headroom_on_the_h100(guard: Any) -> None:
+    x, y = _operands()
+    guard("interpret", checks="compile", device="h100,a100")
+    with pytest.raises(PallasGuardError) as raised:
+        gpu_corpus.pipelined_matmul(x, y, stages=7)
+    text = str(raised.value)
+    assert "XLA's GPU compile for a100 (the device setting; it compiles for h100) raised JaxRuntimeError" in text
+    assert "Shared memory size limit exceeded: requested 196608, available: 166912" in text
+    # On the H100 (seven stages of 32 KiB) it compiles, with 3 KiB to spare: a finding under headroom.
+    guard("interpret", checks="compile", device="h100")
+    gpu_corpus.pipelined_matmul(x, y, stages=7)
+    assert _figures()["shared memory"] == (7 * 32768, 232448)
+    guard("interpret", checks="compile", device="h100", vmem_headroom="5%")
+    with pytest.raises(
+        PallasGuardError, match=r"compiles with less memory to spare than the headroom setting asks"
+    ) as tight:
+        gpu_corpus.pipelined_matmul(x, y, stages=7)
+    assert "it takes shared memory 224.0 KiB of 227.0 KiB (99%) on h100" in str(tight.value)
+    assert "To fix: shrink the kernel's block shapes, or num_stages" in str(tight.value)
+
+
+@needs_the_compiler
+def test_a_kernel_that_spills_registers_says_so_and_is_a_finding_under_headroom(guard: Any) -> None:
+    x = jnp.ones((512, 64), jnp.float32)
+    y = jnp.ones((64, 512), jnp.float32)
+    multiply = functools.partial(_matmul, blocks=(256, 64, 256), dtype=jnp.float32)  # 256 x 256 f32 sums, 128 threads
+    guard("interpret", checks="compile", device="h100")
+    np.testing.assert_array_equal(multiply(x, y), np.full((512, 512), 64, np.float32))
+    figures = _figures()
+    assert figures["registers"] == (255, 255) and figures["spill stores"][0] > 0
+    assert "spill stores" in _compile_notes()[0]
+    guard("interpret", checks="compile", device="h100", vmem_headroom="1%")
+    with pytest.raises(PallasGuardError, match="ptxas ran out of registers on h100 and spilled to local memory"):
+        multiply(x, y)
+
+
+_MOSAIC_OWN_REPORT = """
+import os, sys
+os.environ["JAX_PLATFORMS"] = "cpu"
+os.environ["MOSAIC_GPU_DUMP_PTXAS"] = "1"
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl, topologies
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+def kernel(x_ref, o_ref, scratch):
+    scratch[...] = x_ref[...] + 1
+    o_ref[...] = scratch[...]
+
+def staged(x):
+    scratch = [plgpu.SMEM(x.shape, x.dtype)]
+    return pl.pallas_call(kernel, out_shape=x, scratch_shapes=scratch, compiler_params=plgpu.CompilerParams())(x)
+
+device = topologies.get_topology_desc("h100", "cuda", target_config=sys.stdin.read(), topology="1x1x1").devices[0]
+x = jax.ShapeDtypeStruct((128, 128), jnp.float32, sharding=jax.sharding.SingleDeviceSharding(device))
+jax.jit(staged).lower(x).compile()
+"""
+
+
+def staged_in_shared_memory(x: jax.Array) -> jax.Array:
+    """A Mosaic GPU kernel whose operand, result and scratch are each 64 KiB of shared memory (the
+    kernel ``_MOSAIC_OWN_REPORT`` compiles without the guard)."""
+    plgpu = pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+
+    def kernel(x_ref, o_ref, scratch):  # type: ignore[no-untyped-def]
+        scratch[...] = x_ref[...] + 1
+        o_ref[...] = scratch[...]
+
+    scratch = [plgpu.SMEM(x.shape, x.dtype)]
+    return pl.pallas_call(kernel, out_shape=x, scratch_shapes=scratch, compiler_params=plgpu.CompilerParams())(x)
+
+
+@needs_the_compiler
+def test_a_mosaic_gpu_kernels_figures_are_its_own_compilers(guard: Any) -> None:
+    guard("interpret", checks="compile", device="h100")
+    x = jnp.arange(128 * 128, dtype=jnp.float32).reshape(128, 128)
+    np.testing.assert_array_equal(staged_in_shared_memory(x), x + 1)
+    figures = _figures()
+    # Pallas stages the operand and the result in shared memory beside the scratch, and a barrier.
+    assert figures["shared memory"] == (3 * 65536 + 8, 232448)
+    # ptxas's report as Mosaic GPU prints it itself (MOSAIC_GPU_DUMP_PTXAS), the guard not involved.
+    env = {name: value for name, value in os.environ.items() if not name.startswith("PALLAS_GUARD")}
+    env["PATH"] = os.pathsep.join([os.path.dirname(_ptxas()), os.environ["PATH"]])
+    description = gpu_compile.target_config(gpu_compile.TARGETS["h100"])
+    own = subprocess.run(
+        [sys.executable, "-c", _MOSAIC_OWN_REPORT],
+        input=description,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=False,
+    )
+    assert own.returncode == 0, own.stderr[-2000:]
+    registers = int(re.search(r"Used (\d+) registers", own.stdout + own.stderr).group(1))  # type: ignore[union-attr]
+    assert figures["registers"] == (registers, 255)
+
+
+@needs_the_compiler
+def test_jaxs_hopper_matmul_built_with_plgpu_kernel_compiles_for_an_h100_and_not_for_an_a100(guard: Any) -> None:
+    hopper = pytest.importorskip("jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu")
+    config = hopper.TuningConfig(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=4)
+    operand = jax.ShapeDtypeStruct((1024, 1024), jnp.float16)
+    program = jax.jit(functools.partial(hopper.matmul, c=None, config=config))
+    # Lowered, not run: the check's verdict comes as the kernel is traced. Its SM count is the
+    # device setting's (the guard presents an abstract H100), which JAX's kernel asks for.
+    guard("interpret", checks="compile", device="h100")
+    program.lower(operand, operand)
+    (note,) = _compile_notes()
+    assert note.startswith("compile: compiles for h100: shared memory 224.1 KiB of 227.0 KiB (99%), registers ")
+    guard("interpret", checks="compile", device="a100")
+    with pytest.raises(PallasGuardError) as raised:
+        program.lower(operand, operand)
+    assert "'nvvm.wgmma.fence.aligned' op is not supported on sm_80" in str(raised.value)

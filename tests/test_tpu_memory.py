@@ -120,7 +120,7 @@ def test_the_markdown_report_has_a_table_and_an_svg_beside_it(tmp_path: Path) ->
     path = tmp_path / "memory.md"
     _report.write(str(path), _report.bars(ROWS))
     text = path.read_text()
-    assert "![TPU memory by kernel](memory.md.svg)" in text
+    assert "![Memory by kernel](memory.md.svg)" in text
     assert "| `over` (over.py:1) | tpu7x | VMEM | 33.6 MiB | 32.0 MiB |" in text
     picture = (tmp_path / "memory.md.svg").read_text()
     assert picture.startswith("<svg") and picture.count("<rect") == 3 and "33.6 MiB of 32.0 MiB (105%)" in picture

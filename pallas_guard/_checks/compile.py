@@ -14,11 +14,13 @@ its decision says what VMEM and SMEM it uses against the generation's limit.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from pallas_guard._checks import lowering as _lowering_check
 from pallas_guard._checks import protocol as _checks
 from pallas_guard._deciding import diagnostics as _diagnostics
+from pallas_guard._jax import tracing as jax_tracing
 from pallas_guard._running import gpu_compile as _gpu_compile
 from pallas_guard._running import tpu_compile as _tpu_compile
 from pallas_guard._vocabulary import settings as _settings
@@ -127,8 +129,13 @@ class Compile(_checks.Check):
         __tracebackhide__ = True
         setting = _settings.current("device").value
         gpus = [device for device in device_list(setting) if DEVICES[device][2] == "gpu"] or [target.device]
-        avals, kwavals = _lowering_check.shapes_of((args, kwargs))  # lowered without values, as the lowering check does
-        compiling = [_gpu_compile.start_compile(run.kernel.build, avals, kwavals, gpu) for gpu in gpus]
+        # Under vmap, the kernel its batching rule makes; lowered without values, as the lowering check does.
+        kernel, args = jax_tracing.as_vmap_calls_it(run.kernel.build(), args) if not kwargs else (None, args)
+        build: Callable[[], Callable[..., Any]] = (
+            run.kernel.build if kernel is None else functools.partial(_same, kernel)
+        )
+        avals, kwavals = _lowering_check.shapes_of((args, kwargs))
+        compiling = [_gpu_compile.start_compile(build, avals, kwavals, gpu) for gpu in gpus]
         if all(each.ready for each in compiling):
             return self.gpu_verdict(run, target, [each.outcome() for each in compiling])
         return _checks.Prepared(pending=lambda: self.gpu_verdict(run, target, [each.outcome() for each in compiling]))
@@ -146,8 +153,11 @@ class Compile(_checks.Check):
         refused = [outcome for outcome in outcomes if outcome.error_type is not None]
         compiled = [outcome for outcome in outcomes if outcome.error_type is None]
         if not refused:
-            kept = {o.gpu: " (cached: an earlier run compiled it)" if o.cached else "" for o in compiled}
-            return _checks.Prepared("compile: compiles for " + "; ".join(f"{gpu}{why}" for gpu, why in kept.items()))
+            memory = [use for outcome in compiled for use in gpu_memory_use(outcome)]
+            memory.sort(key=lambda use: -use.share)
+            _within_headroom(run, tuple(memory))
+            parts = [f"{o.gpu}{usage(gpu_memory_use(o), cached=o.cached, seconds=o.seconds)}" for o in compiled]
+            return _checks.Prepared("compile: compiles for " + "; ".join(parts), memory=tuple(memory))
         first = refused[0]
         source = target.source if first.gpu == target.device else "the device setting"
         if compiled:
@@ -167,6 +177,10 @@ class Compile(_checks.Check):
             step="JAX's lowering for CUDA (before XLA's GPU compiler)" if first.lowering else "XLA's GPU compile",
         )
         raise _checks.found(self.name, as_the_targets(error, refusal), kernel=run.kernel.info, call_site=run.call_site)
+
+
+def _same(kernel: Callable[..., Any]) -> Callable[..., Any]:
+    return kernel
 
 
 def _why_not_on_a_tpu(run: Run) -> str | None:
@@ -252,30 +266,65 @@ def memory_use(outcome: _tpu_compile.Outcome) -> list[MemoryUse]:
     return uses
 
 
-def usage(figures: list[MemoryUse], *, cached: bool = False) -> str:
-    """``: VMEM 1.0 MiB of 16.0 MiB (6%), SMEM 8 B of 1.0 MiB (0%)`` where the compiler said."""
+def gpu_memory_use(outcome: _gpu_compile.Outcome) -> list[MemoryUse]:
+    """What XLA's compile and ptxas said a kernel that compiled spends of ``outcome.gpu``: shared
+    memory, registers per thread, and spills where there are any."""
+    figures, spec = outcome.figures, _gpu_compile.TARGETS.get(outcome.gpu)
+    if figures is None or spec is None:
+        return []
+    uses = []
+    if figures.shared_memory is not None:
+        uses.append(
+            MemoryUse(outcome.gpu, "shared memory", figures.shared_memory, spec.shared_memory_per_block_optin, True)
+        )
+    if figures.registers is not None:
+        uses.append(MemoryUse(outcome.gpu, "registers", figures.registers, spec.registers_per_thread, True))
+    if figures.spill_stores:
+        uses.append(MemoryUse(outcome.gpu, "spill stores", figures.spill_stores, 0, True))
+    return uses
+
+
+def usage(figures: list[MemoryUse], *, cached: bool = False, seconds: float | None = None) -> str:
+    """``: VMEM 1.0 MiB of 16.0 MiB (6%), SMEM 8 B of 1.0 MiB (0%)`` where the compiler said; how
+    long the compile took where it is given (``seconds``: GPU compiles, whose ptxas is the long pole)."""
     kept = " (cached: an earlier run compiled it)" if cached else ""
+    if seconds is not None and not cached:
+        kept = f" ({COMPILE_TOOK.format(seconds=seconds)})"
     return f": {', '.join(map(str, figures))}{kept}" if figures else kept
 
 
+COMPILE_TOOK = "XLA's compile: {seconds:.1f} s"
+"""How long a GPU compile took, in its note: the pytest plugin's slowest list reads it back."""
+
+
 def _within_headroom(run: Run, memory: tuple[MemoryUse, ...]) -> None:
-    """A kernel that compiles but leaves less of a VMEM limit free than the headroom setting asks
-    is a finding: a small change of shapes, of the compiler or of the chip refuses it."""
+    """A kernel that compiles but leaves less of a VMEM or shared-memory limit free than the
+    headroom setting asks, or spills registers, is a finding: a small change of shapes, of the
+    compiler or of the chip refuses it (or, for a spill, slows it)."""
     __tracebackhide__ = True
     headroom = _settings.current("vmem_headroom")
     if not headroom.value:
         return
-    tight = [use for use in memory if use.space.startswith("VMEM") and use.share > 1 - headroom.value]
+    tight = [use for use in memory if use.space in _HELD_TO_HEADROOM and use.share > 1 - headroom.value]
     if not tight:
         return
+    first = tight[0]
+    if first.space in ("shared memory", "spill stores"):
+        fix = _diagnostics.gpu_tight_fix(first.space, first.generation)
+    else:
+        fix = _diagnostics.tight_fix(first.space, first.generation, vmem_capacity=_capacity(first.generation))
     error = _diagnostics.too_tight(
         kernel=run.kernel.info,
         call_site=run.call_site,
         uses=[str(use) + f" on {use.generation}" for use in tight],
         headroom=_settings.stated("vmem_headroom"),
-        fix=_diagnostics.tight_fix(tight[0].space, tight[0].generation, vmem_capacity=_capacity(tight[0].generation)),
+        fix=fix,
     )
     raise _checks.found("compile", error, kernel=run.kernel.info, call_site=run.call_site, memory=memory)
+
+
+_HELD_TO_HEADROOM = ("VMEM", "VMEM scratch", "shared memory", "spill stores")
+"""SMEM is left out (its figure is an estimate), registers too (a spill is what a limit costs)."""
 
 
 def _capacity(generation: str) -> int | None:

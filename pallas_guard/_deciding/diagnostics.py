@@ -547,13 +547,24 @@ def lowering_refused(
 
 
 def too_tight(*, kernel: KernelInfo, call_site: CallSite, uses: list[str], headroom: str, fix: str) -> PallasGuardError:
-    """A kernel the TPU compiles with less VMEM to spare than the headroom setting asks."""
+    """A kernel its target compiles with less memory to spare than the headroom setting asks (or,
+    on a GPU, spilling registers)."""
     return PallasGuardError(
-        f"pallas_guard: {_describe(kernel, call_site)} compiles for the TPU with less VMEM to spare than the "
+        f"pallas_guard: {_describe(kernel, call_site)} compiles with less memory to spare than the "
         f"headroom setting asks ({headroom}), found by the compile check: it takes {'; '.join(uses)}. "
-        "A small change of shapes, of the compiler or of the chip refuses it."
+        "A small change of shapes, of the compiler or of the chip refuses it (a spill: slows it)."
         f"\nTo fix: {fix}"
     )
+
+
+def gpu_tight_fix(space: str, gpu: str) -> str:
+    """What frees a GPU kernel's shared memory or registers before its compiler refuses it."""
+    if space == "spill stores":
+        return (
+            f"ptxas ran out of registers on {gpu} and spilled to local memory: shrink the blocks each "
+            "program holds at once, or raise num_warps so that each thread holds less"
+        )
+    return f"shrink the kernel's block shapes, or num_stages (that many copies of each block), to leave {gpu} headroom"
 
 
 def tight_fix(space: str, generation: str, *, vmem_capacity: int | None) -> str:

@@ -223,3 +223,44 @@ def outside_meshes() -> Iterator[None]:
     finally:
         for (state, _), value in zip(states, previous, strict=True):
             state.set_local(value)
+
+
+def as_vmap_calls_it(function: Callable[..., Any], args: tuple[Any, ...]) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+    """``function`` and ``args`` as the program calls them where ``args`` hold ``jax.vmap``'s tracers
+    (a kernel called under ``vmap``): ``function`` wrapped in a ``vmap`` per level, the operands with
+    their batch axes; else both unchanged. A compiler then compiles the kernel the batching rule
+    makes (its grid has the batch axes), not the one the call sees."""
+    import jax
+
+    batching = import_optional("jax._src.interpreters.batching")
+    tracer, unmapped = getattr(batching, "BatchTracer", None), getattr(batching, "not_mapped", None)
+    if tracer is None:
+        return function, args
+    leaves, tree = jax.tree_util.tree_flatten(args)
+    levels: list[list[int | None]] = []
+    while True:
+        batched = [leaf for leaf in leaves if isinstance(leaf, tracer)]
+        if not batched:
+            break
+        inner = {id(leaf.val) for leaf in batched}  # the outer levels' tracers, wrapped by an inner one
+        traces = {id(leaf._trace) for leaf in batched if id(leaf) not in inner}  # noqa: SLF001
+        dims: list[int | None] = []
+        peeled = []
+        for leaf in leaves:
+            if isinstance(leaf, tracer) and id(leaf._trace) in traces:  # noqa: SLF001
+                dim = leaf.batch_dim
+                if dim is not unmapped and not isinstance(dim, int):  # a ragged axis: not rebuilt
+                    return function, args
+                dims.append(None if dim is unmapped else dim)
+                peeled.append(leaf.val)
+            else:
+                dims.append(None)
+                peeled.append(leaf)
+        if len(traces) != 1 or all(dim is None for dim in dims):
+            return function, args
+        levels.append(dims)
+        leaves = peeled
+    for dims in levels:  # innermost first: each vmap wraps the one inside it
+        axes = jax.tree_util.tree_unflatten(tree, dims)
+        function = jax.vmap(function, in_axes=tuple(axes))
+    return function, tuple(jax.tree_util.tree_unflatten(tree, leaves))

@@ -46,6 +46,8 @@ class Gpu(NamedTuple):
     l2_bytes: int
     clock_ghz: float
     fpus_per_sm: int
+    registers_per_thread: int = 255
+    """The most registers ptxas gives one thread (sm_80, sm_90): past it, values spill to local memory."""
 
 
 TARGETS: dict[str, Gpu] = {
@@ -139,6 +141,19 @@ class Outcome(NamedTuple):
     lowering: BaseException | None = None
     """JAX's own refusal to lower the kernel for CUDA, before XLA's compiler (a Triton block shape
     that is not a power of 2): the GPU refuses it as well."""
+    figures: Figures | None = None
+    """What the compiled kernel spends, where it compiled and the compiler said."""
+
+
+class Figures(NamedTuple):
+    """What a kernel spends of one GPU, as the compilers report it: the dynamic shared memory of a
+    block (Triton's as XLA logs it, Mosaic GPU's as its launch asks for it), and ptxas's registers
+    per thread and spills for the kernel's entry function (the largest, where there are several)."""
+
+    shared_memory: int | None
+    registers: int | None
+    spill_stores: int
+    spill_loads: int
 
 
 class Compiling:
@@ -202,10 +217,13 @@ from jax import export
 from jax.experimental import topologies
 blob, name, config = sys.argv[1], sys.argv[2], sys.stdin.read()
 exported = export.deserialize(bytearray(open(blob, "rb").read()))
+if "mosaic_gpu" in exported.mlir_module():
+    import jax.experimental.mosaic.gpu  # sets MOSAIC_GPU_RUNTIME_LIB_PATH: its kernels' host code links to it
 device = topologies.get_topology_desc(name, "cuda", target_config=config, topology="1x1x1").devices[0]
 placed = jax.sharding.SingleDeviceSharding(device)
 avals = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=placed) for a in exported.in_avals]
-jax.jit(exported.call).lower(*avals).compile()
+args, kwargs = jax.tree_util.tree_unflatten(exported.in_tree, avals)  # as exported: keywords too
+jax.jit(exported.call).lower(*args, **kwargs).compile()
 print("pallas_guard: compiled")
 """
 _RAISED = re.compile(r"^(?:[\w.]+\.)?(\w*(?:Error|Exception)): (.*)$")
@@ -218,7 +236,9 @@ def _compile(blob: bytes, gpu: str, spec: Gpu, start: float, path: str | None) -
         kernel = os.path.join(folder, "kernel.bin")
         with open(kernel, "wb") as file:
             file.write(blob)
-        env = {**os.environ, "JAX_PLATFORMS": "cpu", "TF_CPP_MIN_LOG_LEVEL": "2"}
+        env = {**os.environ, "JAX_PLATFORMS": "cpu", **_FIGURES_LOGGED}
+        if b"mosaic_gpu" in blob:  # Mosaic GPU's launch of the kernel, with the shared memory it asks for
+            env["MOSAIC_GPU_DUMP_HOST_LLVM"] = "1"
         env["PATH"] = os.pathsep.join(filter(None, (_ptxas(), env.get("PATH"))))
         try:
             done = subprocess.run(
@@ -234,18 +254,47 @@ def _compile(blob: bytes, gpu: str, spec: Gpu, start: float, path: str | None) -
             return Outcome(gpu, seconds=time.perf_counter() - start, unchecked=f"the compiler did not finish: {error}")
     seconds = time.perf_counter() - start
     if done.returncode == 0 and "pallas_guard: compiled" in done.stdout:
-        outcome = Outcome(gpu, seconds=seconds)
+        outcome = Outcome(gpu, seconds=seconds, figures=figures(done.stdout + done.stderr))
         _write_verdict(path, outcome)
         return outcome
     return _refusal(gpu, done.returncode, done.stderr, seconds)
 
 
+_FIGURES_LOGGED = {
+    "TF_CPP_MIN_LOG_LEVEL": "0",
+    # XLA logs ptxas's own report (it runs ptxas -v) and Triton's shared memory at these levels.
+    "TF_CPP_VMODULE": "subprocess_compilation=2,xtile_compiler=2,triton_fusion_emitter=2",
+}
+_PTXAS_FUNCTION = re.compile(
+    r"Function properties for (\S+)\s+\d+ bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads\s+"
+    r"ptxas info\s*: Used (\d+) registers"
+)
+_TRITON_SHARED = re.compile(r"\] Shared memory usage: (\d+) B")
+# mosaic_gpu_launch_kernel(function, grid x y z, cluster x y z, block x y z, dynamic shared memory, ...)
+_MOSAIC_SHARED = re.compile(r"call void @mosaic_gpu_launch_kernel\(ptr %\w+(?:, i32 \d+){9}, i32 (\d+)")
+
+
+def figures(log: str) -> Figures | None:
+    """The compiled kernel's figures from what the compile printed (``_FIGURES_LOGGED``); None where
+    it printed none (a jax whose compiler logs them elsewhere)."""
+    functions = {m.group(1): (int(m.group(4)), int(m.group(2)), int(m.group(3))) for m in _PTXAS_FUNCTION.finditer(log)}
+    shared = [int(m.group(1)) for m in (*_TRITON_SHARED.finditer(log), *_MOSAIC_SHARED.finditer(log))]
+    if not functions and not shared:
+        return None
+    registers, stores, loads = max(functions.values(), default=(None, 0, 0))
+    return Figures(max(shared, default=None), registers, stores, loads)
+
+
 _LOG_PREFIX = re.compile(r"^[EWIF]\d{4} [\d:.]+\s+\d+ [\w.]+:\d+\] ")
+_INFO = re.compile(r"^I\d{4} [\d:.]+\s+\d+ [\w.]+:\d+\] ")
 """The prefix of XLA's own log lines (``E1207 02:46:41.841823   20862 xtile_compiler.cc:460] ``)."""
 
 
 def _refusal(gpu: str, returncode: int, stderr: str, seconds: float) -> Outcome:
-    lines = [_LOG_PREFIX.sub("", line.strip()) for line in stderr.splitlines() if line.strip()]
+    # XLA's informational lines (figures, progress) are not the refusal.
+    lines = [
+        _LOG_PREFIX.sub("", line.strip()) for line in stderr.splitlines() if line.strip() and not _INFO.match(line)
+    ]
     raised = next((m for m in map(_RAISED.match, reversed(lines)) if m), None)
     reasons = list(dict.fromkeys(line for line in lines if _REASONS.search(line) and not _RAISED.match(line)))
     if raised is not None and raised.group(1) in ("ImportError", "ModuleNotFoundError"):
@@ -267,7 +316,7 @@ def _refusal(gpu: str, returncode: int, stderr: str, seconds: float) -> Outcome:
     )
 
 
-_VERDICT_FORMAT = "gpu compiles"
+_VERDICT_FORMAT = "gpu compiles, figures"
 
 
 def _verdict_file(blob: bytes, gpu: str) -> str:
@@ -284,8 +333,13 @@ def _read_verdict(path: str | None, gpu: str) -> Outcome | None:
     fields = _kept.read(path)
     if not isinstance(fields, dict) or fields.get("gpu") != gpu or fields.get("compiled") is not True:
         return None
-    return Outcome(gpu, cached=True)
+    kept = fields.get("figures")
+    try:
+        figures = Figures(*kept) if kept is not None else None
+    except TypeError:  # kept by another version of the guard: compiled again
+        return None
+    return Outcome(gpu, cached=True, figures=figures)
 
 
 def _write_verdict(path: str | None, outcome: Outcome) -> None:
-    _kept.write(path, {"gpu": outcome.gpu, "compiled": True})
+    _kept.write(path, {"gpu": outcome.gpu, "compiled": True, "figures": outcome.figures})

@@ -410,7 +410,7 @@ def guarded_environment(
         if value is not None:
             option.parse(value, _run_option(name))
             env[option.env] = value.strip()
-    env[pallas_guard_autoload.EXIT_SUMMARY_ENV] = "1"  # each guarded process prints its TPU memory figures
+    env[pallas_guard_autoload.EXIT_SUMMARY_ENV] = "1"  # each guarded process prints its compile figures (TPU, GPU)
     if policy is None:
         env[POLICY_ENV] = str(OPTIONS["policy"].from_environment(env) or OPTIONS["policy"].default)
     else:

@@ -1,5 +1,6 @@
-"""One picture of a run: what each kernel takes of each TPU generation's memories, by the TPU's
-compiler (the ``compile`` check), against the limit, with its verdict.
+"""One picture of a run: what each kernel takes of each target's memories (a TPU generation's VMEM
+and SMEM, a GPU's shared memory, registers and spills), by the target's compiler (the ``compile``
+check), against the limit, with its verdict.
 
 Read from decision rows (``pallas_guard_pytest``'s JSON-able dicts: ``kernel``, ``defined_at``,
 ``memory``), so the pytest summary, ``--pallas-guard-report`` (Markdown with an SVG, or HTML),
@@ -15,12 +16,12 @@ import sys
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
-from pallas_guard._vocabulary.record import MemoryUse, size
+from pallas_guard._vocabulary.record import MemoryUse
 from pallas_guard_autoload import printable
 
 
 class Bar(NamedTuple):
-    """One kernel's use of one memory of one generation: the tightest call of it."""
+    """One kernel's use of one memory of one target: the tightest call of it."""
 
     kernel: str
     defined_at: str | None
@@ -30,6 +31,8 @@ class Bar(NamedTuple):
     def verdict(self) -> str:
         if not self.use.compiled:
             return "refused"
+        if not self.use.limit:  # spilled registers: it compiles, slower
+            return "spills"
         return "over" if self.use.share > 1 else "compiles"
 
 
@@ -63,7 +66,7 @@ def lines(found: list[Bar], *, count: int | None = None) -> list[str]:
     if not found:
         return []
     shown = found if count is None else found[:count]
-    head = f"TPU memory by kernel (the compile check), tightest first: {len(found)} figure(s)"
+    head = f"Memory by kernel (the compile check), tightest first: {len(found)} figure(s)"
     if len(shown) < len(found):
         head += f", the first {len(shown)} (--pallas-guard-details lists all)"
     out = [head]
@@ -76,20 +79,20 @@ def lines(found: list[Bar], *, count: int | None = None) -> list[str]:
 def markdown(found: list[Bar], *, image: str | None = None) -> str:
     """A Markdown table (a text bar per row, which GitHub's step summary renders), with ``image``
     (the SVG beside the report) above it where given."""
-    out = ["## pallas_guard: TPU memory by kernel", ""]
+    out = ["## pallas_guard: memory by kernel", ""]
     if not found:
-        return "\n".join([*out, "No kernel was compiled for a TPU in this run (`checks=compile`).", ""])
+        return "\n".join([*out, "No kernel was compiled for a TPU or GPU in this run (`checks=compile`).", ""])
     if image:
-        out += [f"![TPU memory by kernel]({image})", ""]
+        out += [f"![Memory by kernel]({image})", ""]
     out += ["| kernel | generation | memory | used | limit | share | verdict |", "|---|---|---|---|---|---|---|"]
     for bar in found:
         cells = (
             f"`{_cell(bar.kernel)}`" + (f" ({_cell(bar.defined_at)})" if bar.defined_at else ""),
             bar.use.generation,
             bar.use.space,
-            size(bar.use.used),
-            size(bar.use.limit),
-            f"{_text_bar(bar.use.share)} {bar.use.share:.0%}",
+            bar.use.amount(bar.use.used),
+            bar.use.amount(bar.use.limit) if bar.use.limit else "none",
+            f"{_text_bar(bar.use.share)} {_percent(bar.use)}",
             bar.verdict,
         )
         out.append("| " + " | ".join(cells) + " |")
@@ -97,7 +100,7 @@ def markdown(found: list[Bar], *, image: str | None = None) -> str:
 
 
 _WIDTH, _ROW, _LABEL = 900, 22, 330
-_COLOURS = {"compiles": "#2e7d32", "over": "#c62828", "refused": "#c62828"}
+_COLOURS = {"compiles": "#2e7d32", "over": "#c62828", "refused": "#c62828", "spills": "#ef6c00"}
 
 
 def svg(found: list[Bar]) -> str:
@@ -106,18 +109,18 @@ def svg(found: list[Bar]) -> str:
     span = _WIDTH - _LABEL - 190
     parts = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{_WIDTH}" height="{height}" '
-        f'font-family="sans-serif" font-size="12" role="img"><title>TPU memory by kernel</title>'
+        f'font-family="sans-serif" font-size="12" role="img"><title>Memory by kernel</title>'
     ]
-    scale = max([1.0, *(bar.use.share for bar in found)])
+    scale = max([1.0, *(_drawn(bar.use) for bar in found)])
     limit_x = _LABEL + span / scale
     for index, bar in enumerate(found):
         y = 10 + index * _ROW
         label = html.escape(f"{bar.kernel} · {bar.use.generation} · {bar.use.space}")
-        width = max(1.0, span * bar.use.share / scale)
+        width = max(1.0, span * _drawn(bar.use) / scale)
         colour = _COLOURS[bar.verdict] if bar.verdict != "compiles" or bar.use.share < 0.9 else "#ef6c00"
         parts.append(f'<text x="{_LABEL - 6}" y="{y + 14}" text-anchor="end">{label}</text>')
         parts.append(f'<rect x="{_LABEL}" y="{y + 3}" width="{width:.1f}" height="14" fill="{colour}"/>')
-        text = html.escape(f"{size(bar.use.used)} of {size(bar.use.limit)} ({bar.use.share:.0%})")
+        text = html.escape(str(bar.use).removeprefix(bar.use.space + " "))
         parts.append(f'<text x="{_LABEL + width + 4:.1f}" y="{y + 14}">{text}</text>')
     parts.append(
         f'<line x1="{limit_x:.1f}" y1="4" x2="{limit_x:.1f}" y2="{height - 4}" stroke="#333" stroke-dasharray="4 3"/>'
@@ -134,7 +137,7 @@ def write(path: str, found: list[Bar]) -> None:
         picture = svg(found) if found else ""
         text = (
             '<!doctype html>\n<html><head><meta charset="utf-8"><title>pallas_guard</title></head><body>\n'
-            f"<h2>pallas_guard: TPU memory by kernel</h2>\n{picture}\n<pre>{html.escape(table)}</pre>\n</body></html>\n"
+            f"<h2>pallas_guard: memory by kernel</h2>\n{picture}\n<pre>{html.escape(table)}</pre>\n</body></html>\n"
         )
     else:
         image = None
@@ -186,6 +189,15 @@ def _write_text(path: str, text: str) -> None:
 
 def _cell(text: str) -> str:
     return html.escape(printable(text)).replace("|", "\\|").replace("`", "'")
+
+
+def _percent(use: MemoryUse) -> str:
+    return f"{use.share:.0%}" if use.limit else "spilled"
+
+
+def _drawn(use: MemoryUse) -> float:
+    """The share a bar is drawn at: a spill (no limit) as just over its limit."""
+    return use.share if use.limit else 1.05
 
 
 def _text_bar(share: float, width: int = 10) -> str:

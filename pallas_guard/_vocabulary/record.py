@@ -18,30 +18,42 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, slots=True)
 class MemoryUse:
-    """What a kernel takes of one memory of one TPU generation, by the TPU's compiler (the
+    """What a kernel takes of one memory of one TPU generation or GPU, by the target's compiler (the
     ``compile`` check), whether it compiled there or was refused."""
 
     generation: str
-    """The device setting's name for it: ``"tpu-v5e"``, ``"tpu7x"``, ..."""
+    """The device setting's name for the target: ``"tpu-v5e"``, ``"tpu7x"``, ``"h100"``, ..."""
     space: str
-    """``"VMEM"``: the compiler's scoped allocation (each block, double-buffered, and its own
+    """TPU: ``"VMEM"``: the compiler's scoped allocation (each block, double-buffered, and its own
     scratch), held to the scoped limit (``vmem_limit_bytes``, else the generation's default);
     ``"VMEM scratch"``: the kernel's ``scratch_shapes`` in VMEM, held to the TensorCore's whole
-    VMEM; ``"SMEM"``: the SMEM operands the kernel declares (an estimate: libtpu reports none)."""
+    VMEM; ``"SMEM"``: the SMEM operands the kernel declares (an estimate: libtpu reports none).
+    GPU: ``"shared memory"``: a block's dynamic shared memory, held to what one block may have;
+    ``"registers"``: ptxas's registers per thread (a count, not bytes), held to 255; ``"spill
+    stores"``: bytes ptxas spilled to local memory (limit 0: a kernel that fits spills none)."""
     used: int
-    """Bytes."""
+    """Bytes (registers: a count)."""
     limit: int
-    """Bytes the generation gives it."""
+    """Bytes the target gives it (registers: a count)."""
     compiled: bool
-    """Whether the kernel compiled for this generation (a refused kernel's figure is the refusal's)."""
+    """Whether the kernel compiled for this target (a refused kernel's figure is the refusal's)."""
 
     @property
     def share(self) -> float:
-        """``used / limit``: above 1 the compiler refuses the kernel."""
-        return self.used / self.limit if self.limit else float("inf")
+        """``used / limit``: above 1 the compiler refuses the kernel (a spill: infinite)."""
+        if not self.limit:
+            return float("inf") if self.used else 0.0
+        return self.used / self.limit
+
+    def amount(self, count: int) -> str:
+        """``count`` in this space's unit: ``74`` registers, else bytes (``64.0 KiB``)."""
+        return str(count) if self.space == "registers" else size(count)
 
     def __str__(self) -> str:
-        return f"{self.space} {size(self.used)} of {size(self.limit)} ({self.share:.0%})"
+        if not self.limit:
+            return f"{self.space} {self.amount(self.used)}"
+        per = " per thread" if self.space == "registers" else ""
+        return f"{self.space} {self.amount(self.used)} of {self.amount(self.limit)}{per} ({self.share:.0%})"
 
 
 def size(count: int) -> str:
