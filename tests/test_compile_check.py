@@ -517,3 +517,50 @@ def test_a_kernel_built_before_install_is_compiled_in_a_policy_scope(traced: boo
     notes = [n for d in decisions for n in d.notes if n.startswith("compile:")]
     assert notes == [notes[0]] and notes[0].startswith("compile: compiles for tpu-v5e: VMEM ")
     assert [use.space for d in decisions for use in d.memory][:1] == ["VMEM"]
+
+
+PASSED_ON_FIRST = """
+import json, sys
+import numpy as np
+import jax
+from jax.experimental import pallas as pl
+import pallas_guard
+
+def add_one(x_ref, o_ref):
+    o_ref[...] = x_ref[...] + 1
+
+def program(x):
+    return pl.pallas_call(add_one, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
+
+pallas_guard.install("interpret", checks=sys.argv[1], device="tpu-v5e", require_checks=True)
+# The process's first JAX operation: no backend is initialised when the kernel is traced.
+try:
+    out = jax.jit(program)(np.zeros((8, 128), np.float32))
+    outcome = {"value": float(out[0, 0])}
+except pallas_guard.PallasGuardError as finding:
+    outcome = {"finding": str(finding)}
+outcome["notes"] = [note for d in pallas_guard.decisions() for note in d.notes]
+print(json.dumps(outcome))
+"""
+
+
+@needs_libtpu
+def test_a_kernel_traced_before_any_backend_is_initialised_is_still_checked() -> None:
+    # With libtpu installed and no JAX_PLATFORMS, the front door cannot tell at the trace that the
+    # target is the CPU: it passes the kernel on, and the net, which interprets it, makes its checks.
+    from conftest import run_python
+
+    def run(checks: str) -> dict[str, Any]:
+        result = run_python(PASSED_ON_FIRST.replace("sys.argv[1]", repr(checks)), env={"JAX_PLATFORMS": None})
+        assert result.returncode == 0, result.stderr[-3000:]
+        outcome: dict[str, Any] = json.loads(result.stdout.strip().splitlines()[-1])
+        return outcome
+
+    compiled = run("compile")
+    assert compiled["value"] == 1.0
+    (note,) = [n for n in compiled["notes"] if n.startswith("compile:")]
+    assert note.startswith("compile: compiles for tpu-v5e: VMEM")
+    # A check that needs the operands' values cannot run there: under require_checks, that fails.
+    agreed = run("agree")
+    assert "the agree check cannot run on Pallas kernel add_one" in agreed["finding"]
+    assert "the front door passed its kernel on for an accelerator" in agreed["finding"]

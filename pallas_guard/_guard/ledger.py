@@ -122,6 +122,11 @@ class Ledger:
         empty if none."""
         return self._left.get(kernel_key(kernel), Left((), (), ()))
 
+    def handed_over(self, kernel: KernelInfo) -> bool:
+        """Whether the front door verified ``kernel`` and left it to the net (its checks made there)."""
+        with self._lock:
+            return kernel_key(kernel) in self._left
+
     def saw(self, kernel: KernelInfo) -> bool:
         """Whether the front door handled ``kernel`` (left it to the net, or passed it on): one that
         reaches the net without it was built before ``install()``."""

@@ -79,9 +79,17 @@ def make_cpu_rule(entry_point: str, delegate: LoweringRule, installation: Guardi
             left = ledger.left_to_net(kernel) if plan.action is _plan.Action.INTERPRET else None
             tried, notes = (left.tried, left.notes) if left else ((), ())
             memory = left.memory if left else ()
-            if left is not None and ledger.called() is None and not ledger.saw(kernel):
+            # A kernel the front door did not verify (built before install(), or passed on because
+            # no backend told it the target was the CPU) gets its checks here, or says why not.
+            if left is not None and ledger.called() is None and not ledger.handed_over(kernel):
                 seen_notes, memory = _unseen.front_door_checks(
-                    ctx, params, kernel=kernel, call_site=call_site, entry_point=entry_point, hooks=installation.hooks
+                    ctx,
+                    params,
+                    kernel=kernel,
+                    call_site=call_site,
+                    entry_point=entry_point,
+                    hooks=installation.hooks,
+                    passed_on=ledger.saw(kernel),
                 )
                 notes = (*notes, *seen_notes)
             wanted = plain_checks(params)

@@ -30,6 +30,11 @@ BUILT_BEFORE = (
     "JAX's own pallas_call held from then), and {check} needs the operands' values at the call; "
     "build the kernel after install(), or install with PALLAS_GUARD_POLICY and the autoload"
 )
+PASSED_ON = (
+    "the front door passed its kernel on for an accelerator (no backend was initialised yet to say the "
+    "target is the CPU), and {check} needs the operands' values at the call; set JAX_PLATFORMS=cpu, or "
+    "initialise the backends (jax.devices()) before the first kernel"
+)
 
 
 class _Entry(NamedTuple):
@@ -88,6 +93,7 @@ def front_door_checks(
     call_site: _diagnostics.CallSite,
     entry_point: str,
     hooks: list[Any],
+    passed_on: bool = False,
 ) -> tuple[tuple[str, ...], tuple[MemoryUse, ...]]:
     """The notes and figures of the front-door checks in force, made from the equation (a finding
     is raised); a check that cannot be made here says why."""
@@ -105,7 +111,7 @@ def front_door_checks(
     avals = tuple(getattr(ctx, "avals_in", ()))
     for check in asked:
         if check.name not in FROM_THE_EQUATION or not from_params:
-            why = BUILT_BEFORE.format(check=check.name)
+            why = (PASSED_ON if passed_on else BUILT_BEFORE).format(check=check.name)
             notes.append(_checks.unchecked(check.name, why, kernel=kernel, call_site=call_site))
             continue
         prepared = check.before(run, avals, {})  # type: ignore[arg-type]
