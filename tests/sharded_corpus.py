@@ -219,6 +219,204 @@ def _core_parallel(mesh: Any) -> Callable[..., Any]:
     return _shard_map(body, mesh)
 
 
+def reduce_scatter(  # type: ignore[no-untyped-def]  # noqa: PLR0917 - a kernel takes its refs by position
+    x_ref,
+    o_ref,
+    hbm_scratch,
+    local_copy_sem,
+    left_recv_sem,
+    left_send_sem,
+    right_recv_sem,
+    right_send_sem,
+    left_capacity_sem,
+    right_capacity_sem,
+    accum_scratch,
+    *,
+    devices: int,
+    block: tuple[int, int],
+):
+    """JAX's bidirectional ring reduce-scatter (the distributed TPU Pallas tutorial,
+    ``docs/pallas/tpu/distributed.md``), with its single barrier: each half of a block travels one
+    way round the ring, summed on the way, over ``devices`` steps of two phases."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+    from jax.experimental import pallas as pl
+
+    pltpu = _tpu()
+    left, right = 0, 1
+    outer_step, phase = pl.program_id(0), pl.program_id(1)
+    is_start = jnp.logical_and(outer_step == 0, phase == 0)
+    last_iteration = outer_step == pl.num_programs(0) - 1
+    working_slot = lax.rem(outer_step, 2)
+    receiving_slot = 1 - working_slot
+    me = jax.lax.axis_index("x")
+    right_neighbor, left_neighbor = lax.rem(me + 1, devices), lax.rem(me + devices - 1, devices)
+    left_copy_device = lax.rem(me + outer_step + 1, devices)
+    right_copy_device = lax.rem(me - outer_step - 1 + devices, devices)
+    half = block[0] // 2
+    left_copy_slice, right_copy_slice = pl.ds(0, half), pl.ds(half, half)
+    current_phase_slice = pl.ds(phase * half, half)
+
+    def signal(towards: int, semaphore: Any) -> None:
+        neighbor = left_neighbor if towards == left else right_neighbor
+        pl.semaphore_signal(semaphore, inc=1, device_id=(neighbor,), device_id_type=_mesh_ids())
+
+    def remote(src: Any, dst: Any, send: Any, recv: Any, to: Any) -> Any:
+        return pltpu.make_async_remote_copy(
+            src_ref=src, dst_ref=dst, send_sem=send, recv_sem=recv, device_id=(to,), device_id_type=_mesh_ids()
+        )
+
+    initial_left_copy = remote(
+        x_ref.at[me, left_copy_slice],
+        hbm_scratch.at[working_slot, left_copy_slice],
+        left_send_sem,
+        left_recv_sem,
+        left_neighbor,
+    )
+    initial_right_copy = remote(
+        x_ref.at[me, right_copy_slice],
+        hbm_scratch.at[working_slot, right_copy_slice],
+        right_send_sem,
+        right_recv_sem,
+        right_neighbor,
+    )
+    left_copy = remote(
+        hbm_scratch.at[working_slot, left_copy_slice],
+        hbm_scratch.at[receiving_slot, left_copy_slice],
+        left_send_sem,
+        left_recv_sem,
+        left_neighbor,
+    )
+    right_copy = remote(
+        hbm_scratch.at[receiving_slot, right_copy_slice],
+        hbm_scratch.at[working_slot, right_copy_slice],
+        right_send_sem,
+        right_recv_sem,
+        right_neighbor,
+    )
+
+    @pl.when(is_start)
+    def _() -> None:
+        barrier = pltpu.get_barrier_semaphore()
+        for neighbor in (left_neighbor, right_neighbor):
+            pl.semaphore_signal(barrier, inc=1, device_id=(neighbor,), device_id_type=_mesh_ids())
+        pl.semaphore_wait(barrier, 2)
+        o_ref[...] = jnp.zeros_like(o_ref[...])
+        accum_scratch[...] = jnp.zeros_like(accum_scratch[...])
+        initial_left_copy.start()
+        initial_left_copy.wait()
+        initial_right_copy.start()
+        signal(left, right_capacity_sem)
+        signal(right, left_capacity_sem)
+
+    @pl.when(~is_start)
+    def _() -> None:
+        @pl.when(phase == left)
+        def _() -> None:
+            pl.semaphore_wait(right_capacity_sem, 1)
+            right_copy.start()
+
+        @pl.when(phase == right)
+        def _() -> None:
+            pl.semaphore_wait(left_capacity_sem, 1)
+            left_copy.start()
+
+    local_copy = pltpu.make_async_copy(
+        src_ref=hbm_scratch.at[working_slot, current_phase_slice], dst_ref=accum_scratch, sem=local_copy_sem
+    )
+    local_copy.start()
+    local_copy.wait()
+
+    @pl.when(~last_iteration)
+    def _() -> None:
+        @pl.when(phase == left)
+        def _() -> None:
+            accum_scratch[...] += x_ref[left_copy_device, left_copy_slice]
+
+        @pl.when(phase == right)
+        def _() -> None:
+            accum_scratch[...] += x_ref[right_copy_device, right_copy_slice]
+
+    local_copy = pltpu.make_async_copy(
+        src_ref=accum_scratch, dst_ref=hbm_scratch.at[working_slot, current_phase_slice], sem=local_copy_sem
+    )
+    local_copy.start()
+    local_copy.wait()
+
+    @pl.when(is_start)
+    def _() -> None:
+        initial_right_copy.wait()
+
+    @pl.when(~is_start)
+    def _() -> None:
+        @pl.when(phase == left)
+        def _() -> None:
+            right_copy.wait()
+            signal(left, right_capacity_sem)
+
+        @pl.when(phase == right)
+        def _() -> None:
+            left_copy.wait()
+            signal(right, left_capacity_sem)
+
+    @pl.when(last_iteration)
+    def _() -> None:
+        @pl.when(phase == left)
+        def _() -> None:
+            o_ref[left_copy_slice, ...] = accum_scratch[...]
+            pl.semaphore_wait(right_capacity_sem, 1)
+
+        @pl.when(phase == right)
+        def _() -> None:
+            o_ref[right_copy_slice, ...] = accum_scratch[...]
+            pl.semaphore_wait(left_capacity_sem, 1)
+
+
+REDUCE_SCATTER_BLOCK = (16, 128)
+"""The tutorial's block: a half block is one (8, 128) vector register."""
+
+
+def _reduce_scatter(mesh: Any) -> Callable[..., Any]:
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+
+    pltpu = _tpu()
+    devices, block = mesh.size, REDUCE_SCATTER_BLOCK
+
+    def body(x: Any) -> Any:  # this device's (devices * 16, 128): one block per device to sum into
+        spec = pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=0,
+            in_specs=[pl.BlockSpec(memory_space=pltpu.VMEM)],
+            out_specs=[pl.BlockSpec(memory_space=pltpu.VMEM), pl.BlockSpec(memory_space=pl.ANY)],
+            grid=(devices, 2),
+            scratch_shapes=[pltpu.SemaphoreType.DMA] * 5
+            + [pltpu.SemaphoreType.REGULAR] * 2
+            + [pltpu.VMEM((block[0] // 2, block[1]), jnp.float32)],
+        )
+        out_shape = (jax.ShapeDtypeStruct(block, jnp.float32), jax.ShapeDtypeStruct((2, *block), jnp.float32))
+        return pl.pallas_call(
+            functools.partial(reduce_scatter, devices=devices, block=block),
+            out_shape=out_shape,
+            grid_spec=spec,
+            compiler_params=pltpu.CompilerParams(collective_id=0),
+        )(x.reshape(devices, *block))[0]
+
+    return _shard_map(body, mesh)
+
+
+def _reduce_scattered(inputs: list[np.ndarray], devices: int) -> np.ndarray:
+    """Device d holds the sum over devices of their block d (whole numbers: exact in any order)."""
+    rows, lanes = REDUCE_SCATTER_BLOCK
+    return inputs[0].reshape(devices, devices, rows, lanes).sum(axis=0).reshape(devices * rows, lanes)
+
+
+def _blocks_per_device(devices: int) -> list[np.ndarray]:
+    rows, lanes = REDUCE_SCATTER_BLOCK
+    return [(np.arange(devices * devices * rows * lanes) % 251).astype(np.float32).reshape(-1, lanes)]
+
+
 GLOBAL_24MIB_ROWS = 24 * MIB // (1024 * 4)
 """A float32 array of 24 MiB, 1024 lanes wide: its shard and its output's are 24 MiB together on 2
 devices (over v5e's 16 MiB scoped limit) and 12 MiB on 4."""
@@ -239,6 +437,10 @@ CASES: list[Case] = [
     Case("ring.v4.4", "tpu-v4", 4, _ring, _rows(8), _ring_reference(8)),
     *(Case(f"barrier.v5e.{n}", "tpu-v5e", n, _barrier, _rows(8), lambda inputs, n: inputs[0] * 2) for n in (1, 4)),
     Case("all_gather.v5e.4", "tpu-v5e", 4, _all_gather, _rows(8), _gathered),
+    *(
+        Case(f"reduce_scatter.v5e.{n}", "tpu-v5e", n, _reduce_scatter, _blocks_per_device, _reduce_scattered)
+        for n in (2, 4)
+    ),
     *(
         Case(f"vmem_by_sharding.v5e.{n}", "tpu-v5e", n, _add_one, _global_rows(GLOBAL_24MIB_ROWS, 1024), _plus_one)
         for n in (1, 2, 4)
