@@ -380,6 +380,12 @@ def record(only: str = "") -> None:
     DATA.write_text(json.dumps({"recorded_with": header, "cases": ordered}, indent=1) + "\n")
 
 
+def recorded_with() -> dict[str, Any]:
+    """The versions the record was made with."""
+    header: dict[str, Any] = json.loads(DATA.read_text())["recorded_with"]
+    return header
+
+
 def recorded() -> dict[str, Any]:
     cases: dict[str, Any] = json.loads(DATA.read_text())["cases"]
     return cases

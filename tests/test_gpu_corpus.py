@@ -20,10 +20,17 @@ import gpu_corpus
 import pytest
 from conftest import run_python
 
+from pallas_guard._jax import lookup as jax_lookup
 from pallas_guard._running import gpu_compile
 
 MISSING = gpu_compile.available()
+RECORDED_WITH = gpu_corpus.recorded_with()
+# The record is one compiler's: another jax's Triton, Mosaic GPU or ptxas may spend other registers.
+OTHER_COMPILER = f"recorded with jax {RECORDED_WITH.get('jax')}; record again: python tests/gpu_corpus.py --record"
 needs_the_compiler = pytest.mark.skipif(MISSING is not None, reason=f"no GPU compiler here: {MISSING}")
+needs_the_recorded_compiler = pytest.mark.skipif(
+    MISSING is None and RECORDED_WITH.get("jax") != jax_lookup.jax_version(), reason=OTHER_COMPILER
+)
 CASES = {case.name: case for case in gpu_corpus.CASES}
 
 
@@ -84,6 +91,7 @@ def _mismatches(recorded: dict[str, Any], replayed: dict[str, Any], gpu: str) ->
 
 
 @needs_the_compiler
+@needs_the_recorded_compiler
 @pytest.mark.parametrize("gpu", gpu_corpus.GPUS)
 def test_the_guard_gives_xlas_verdict_and_figures_on_every_case(gpu: str, tmp_path: Path) -> None:
     # A user's process: the guard armed from the environment, compiles not read from earlier runs.

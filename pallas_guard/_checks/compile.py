@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from pallas_guard._checks import lowering as _lowering_check
 from pallas_guard._checks import protocol as _checks
+from pallas_guard._deciding import device as _device
 from pallas_guard._deciding import diagnostics as _diagnostics
 from pallas_guard._jax import tracing as jax_tracing
 from pallas_guard._running import gpu_compile as _gpu_compile
@@ -135,7 +136,12 @@ class Compile(_checks.Check):
             run.kernel.build if kernel is None else functools.partial(_same, kernel)
         )
         avals, kwavals = _lowering_check.shapes_of((args, kwargs))
-        compiling = [_gpu_compile.start_compile(build, avals, kwavals, gpu) for gpu in gpus]
+        compiling = []
+        for gpu in gpus:
+            # Lowered as for that GPU: Triton's lowering reads the compute capability of the device
+            # in scope (jax 0.12), which a CPU host has none of.
+            with _device.presented(gpu):
+                compiling.append(_gpu_compile.start_compile(build, avals, kwavals, gpu))
         if all(each.ready for each in compiling):
             return self.gpu_verdict(run, target, [each.outcome() for each in compiling])
         return _checks.Prepared(pending=lambda: self.gpu_verdict(run, target, [each.outcome() for each in compiling]))
