@@ -320,19 +320,52 @@ def test_a_mosaic_gpu_kernels_figures_are_its_own_compilers(guard: Any) -> None:
     assert figures["registers"] == (registers, 255)
 
 
-@needs_the_compiler
-def test_jaxs_hopper_matmul_built_with_plgpu_kernel_compiles_for_an_h100_and_not_for_an_a100(guard: Any) -> None:
+def _hopper_matmul() -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
     hopper = pytest.importorskip("jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu")
     config = hopper.TuningConfig(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=4)
     operand = jax.ShapeDtypeStruct((1024, 1024), jnp.float16)
-    program = jax.jit(functools.partial(hopper.matmul, c=None, config=config))
-    # Lowered, not run: the check's verdict comes as the kernel is traced. Its SM count is the
-    # device setting's (the guard presents an abstract H100), which JAX's kernel asks for.
+    return functools.partial(hopper.matmul, c=None, config=config), (operand, operand), {}
+
+
+def _ragged_dot() -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
+    ragged = pytest.importorskip("jax.experimental.pallas.ops.gpu.ragged_dot_mgpu")
+    blocks = {"block_m": 64, "block_n": 128, "block_k": 64, "max_concurrent_steps": 4, "grid_block_n": 2}
+    lhs, rhs = jax.ShapeDtypeStruct((1024, 512), jnp.float16), jax.ShapeDtypeStruct((4, 512, 1024), jnp.float16)
+    return (
+        functools.partial(ragged.ragged_dot, **blocks),
+        (lhs, rhs),
+        {"group_sizes": jax.ShapeDtypeStruct((4,), jnp.int32)},
+    )
+
+
+@needs_the_compiler
+@pytest.mark.parametrize(
+    ("program", "shared", "reason"),
+    [
+        (_hopper_matmul, "224.1 KiB of 227.0 KiB (99%)", "'nvvm.wgmma.fence.aligned' op is not supported on sm_80"),
+        (_ragged_dot, "96.0 KiB of 227.0 KiB (42%)", "not supported on sm_80"),
+    ],
+    ids=["hopper_matmul_mgpu", "ragged_dot_mgpu"],
+)
+def test_jaxs_mosaic_gpu_kernels_built_with_plgpu_kernel_compile_for_an_h100_and_not_for_an_a100(
+    guard: Any, program: Any, shared: str, reason: str
+) -> None:
+    function, args, kwargs = program()
+    jitted = jax.jit(function)
+    # With jax's CUDA plugin installed, the guard presents the device setting's GPU only once a
+    # backend says the target is the CPU (it starts none itself).
+    jax.devices()
+    # Lowered, not run: the check's verdict comes as the kernel is traced. The SM count JAX's
+    # kernels ask for is the device setting's (the guard presents an abstract H100).
     guard("interpret", checks="compile", device="h100")
-    program.lower(operand, operand)
+    jitted.lower(*args, **kwargs)
     (note,) = _compile_notes()
-    assert note.startswith("compile: compiles for h100: shared memory 224.1 KiB of 227.0 KiB (99%), registers ")
+    assert note.startswith(f"compile: compiles for h100: shared memory {shared}, registers ")
     guard("interpret", checks="compile", device="a100")
     with pytest.raises(PallasGuardError) as raised:
-        program.lower(operand, operand)
-    assert "'nvvm.wgmma.fence.aligned' op is not supported on sm_80" in str(raised.value)
+        jitted.lower(*args, **kwargs)
+    assert (
+        "XLA's GPU compile for a100 (the device setting) raised JaxRuntimeError: INTERNAL: Pass pipeline failed"
+        in str(raised.value)
+    )
+    assert reason in str(raised.value)
