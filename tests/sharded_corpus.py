@@ -373,6 +373,86 @@ def reduce_scatter(  # type: ignore[no-untyped-def]  # noqa: PLR0917 - a kernel 
             pl.semaphore_wait(left_capacity_sem, 1)
 
 
+def all_gather_matmul(x_ref, y_ref, o_ref, gathered, send_sem, recv_sem, *, devices: int):  # type: ignore[no-untyped-def]  # noqa: PLR0917 - a kernel takes its refs by position
+    """An all-gather matmul: the row blocks of ``x`` go round the ring of devices by remote DMA, each
+    multiplied by this device's ``y`` while the next is in flight (every block has its own slot)."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+    from jax.experimental import pallas as pl
+
+    pltpu = _tpu()
+    me = jax.lax.axis_index("x")
+    right, left = lax.rem(me + 1, devices), lax.rem(me + devices - 1, devices)
+    rows = x_ref.shape[0]
+    barrier = pltpu.get_barrier_semaphore()
+    for neighbour in (left, right):
+        pl.semaphore_signal(barrier, 1, device_id=(neighbour,), device_id_type=_mesh_ids())
+    pl.semaphore_wait(barrier, 2)
+    gathered[me] = x_ref[...]
+
+    def multiply(slot: Any) -> None:
+        product = jnp.dot(gathered[slot], y_ref[...], preferred_element_type=jnp.float32)
+        o_ref[pl.ds(pl.multiple_of(slot * rows, rows), rows), :] = product.astype(o_ref.dtype)
+
+    for step in range(devices - 1):
+        slot = lax.rem(me - step + devices, devices)  # the block this device received last
+        copy = pltpu.make_async_remote_copy(
+            src_ref=gathered.at[slot],
+            dst_ref=gathered.at[slot],
+            send_sem=send_sem,
+            recv_sem=recv_sem,
+            device_id=(right,),
+            device_id_type=_mesh_ids(),
+        )
+        copy.start()
+        multiply(slot)
+        copy.wait()
+    multiply(right)  # the last block to arrive: the right neighbour's
+
+
+ALL_GATHER_ROWS = 16
+
+
+def _all_gather_matmul(mesh: Any) -> Callable[..., Any]:
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+
+    pltpu = _tpu()
+    devices = mesh.size
+
+    def body(x: Any, y: Any) -> Any:  # this device's rows of x, and its own y
+        vmem = pl.BlockSpec(memory_space=pltpu.VMEM)
+        return pl.pallas_call(
+            functools.partial(all_gather_matmul, devices=devices),
+            out_shape=jax.ShapeDtypeStruct((devices * x.shape[0], y.shape[1]), jnp.float32),
+            in_specs=[vmem, vmem],
+            out_specs=vmem,
+            scratch_shapes=[
+                pltpu.VMEM((devices, *x.shape), x.dtype),
+                pltpu.SemaphoreType.DMA,
+                pltpu.SemaphoreType.DMA,
+            ],
+            compiler_params=pltpu.CompilerParams(collective_id=0),
+        )(x, y)
+
+    return _shard_map(body, mesh)
+
+
+def _matmul_operands(devices: int) -> list[np.ndarray]:
+    """Whole numbers below 4: the products are exact in bfloat16 passes as in float32."""
+    x = (np.arange(devices * ALL_GATHER_ROWS * 128) % 4).astype(np.float32).reshape(-1, 128)
+    y = (np.arange(devices * 128 * 128) % 3).astype(np.float32).reshape(-1, 128)
+    return [x, y]
+
+
+def _gathered_product(inputs: list[np.ndarray], devices: int) -> np.ndarray:
+    """Device d holds all of x times its own block of y."""
+    x, y = inputs
+    return np.concatenate([x @ block for block in y.reshape(devices, 128, 128)])
+
+
 REDUCE_SCATTER_BLOCK = (16, 128)
 """The tutorial's block: a half block is one (8, 128) vector register."""
 
@@ -439,6 +519,10 @@ CASES: list[Case] = [
     Case("all_gather.v5e.4", "tpu-v5e", 4, _all_gather, _rows(8), _gathered),
     *(
         Case(f"reduce_scatter.v5e.{n}", "tpu-v5e", n, _reduce_scatter, _blocks_per_device, _reduce_scattered)
+        for n in (2, 4)
+    ),
+    *(
+        Case(f"all_gather_matmul.v5e.{n}", "tpu-v5e", n, _all_gather_matmul, _matmul_operands, _gathered_product)
         for n in (2, 4)
     ),
     *(
