@@ -411,6 +411,82 @@ def all_gather_matmul(x_ref, y_ref, o_ref, gathered, send_sem, recv_sem, *, devi
     multiply(right)  # the last block to arrive: the right neighbour's
 
 
+def reduce_scatter_matmul(a_ref, b_ref, o_ref, sending, receiving, send_sem, recv_sem, *, devices: int):  # type: ignore[no-untyped-def]  # noqa: PLR0917 - a kernel takes its refs by position
+    """A reduce-scatter matmul: each device holds a slice of the contraction (``a`` and ``b``); the
+    partial products of each row block go round the ring, each device adding its own, until the
+    block reaches the device that keeps it (each step has its own send and receive slot)."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+    from jax.experimental import pallas as pl
+
+    pltpu = _tpu()
+    me = jax.lax.axis_index("x")
+    right, left = lax.rem(me + 1, devices), lax.rem(me + devices - 1, devices)
+    rows = o_ref.shape[0]
+    barrier = pltpu.get_barrier_semaphore()
+    for neighbour in (left, right):
+        pl.semaphore_signal(barrier, 1, device_id=(neighbour,), device_id_type=_mesh_ids())
+    pl.semaphore_wait(barrier, 2)
+    for step in range(devices):
+        block = lax.rem(me - step - 1 + 2 * devices, devices)  # the last step's is this device's
+        part = jnp.dot(a_ref[pl.ds(pl.multiple_of(block * rows, rows), rows), :], b_ref[...])
+        if step:
+            part += receiving[step - 1]  # the left neighbour's sum of this block so far
+        if step == devices - 1:
+            o_ref[...] = part
+            break
+        sending[step] = part
+        copy = pltpu.make_async_remote_copy(
+            src_ref=sending.at[step],
+            dst_ref=receiving.at[step],
+            send_sem=send_sem,
+            recv_sem=recv_sem,
+            device_id=(right,),
+            device_id_type=_mesh_ids(),
+        )
+        copy.start()
+        copy.wait()
+
+
+def _reduce_scatter_matmul(mesh: Any) -> Callable[..., Any]:
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+
+    pltpu = _tpu()
+    devices = mesh.size
+
+    def body(a: Any, b: Any) -> Any:  # this device's slice of the contraction: a (devices * 16, 128), b (128, 128)
+        rows = a.shape[0] // devices
+        vmem = pl.BlockSpec(memory_space=pltpu.VMEM)
+        slots = pltpu.VMEM((max(devices - 1, 1), rows, b.shape[1]), jnp.float32)
+        return pl.pallas_call(
+            functools.partial(reduce_scatter_matmul, devices=devices),
+            out_shape=jax.ShapeDtypeStruct((rows, b.shape[1]), jnp.float32),
+            in_specs=[vmem, vmem],
+            out_specs=vmem,
+            scratch_shapes=[slots, slots, pltpu.SemaphoreType.DMA, pltpu.SemaphoreType.DMA],
+            compiler_params=pltpu.CompilerParams(collective_id=0),
+        )(a, b)
+
+    return _shard_map(body, mesh)
+
+
+def _contraction_slices(devices: int) -> list[np.ndarray]:
+    """Whole numbers below 4: the sums are exact in bfloat16 passes as in float32."""
+    a = (np.arange(devices * devices * ALL_GATHER_ROWS * 128) % 4).astype(np.float32).reshape(-1, 128)
+    b = (np.arange(devices * 128 * 128) % 3).astype(np.float32).reshape(-1, 128)
+    return [a, b]
+
+
+def _reduced_product(inputs: list[np.ndarray], devices: int) -> np.ndarray:
+    """The sum over devices of their a times their b, row block d on device d."""
+    a, b = inputs
+    slices = zip(a.reshape(devices, -1, 128), b.reshape(devices, 128, 128), strict=True)
+    return sum((a_d @ b_d for a_d, b_d in slices), np.zeros((devices * ALL_GATHER_ROWS, 128), np.float32))
+
+
 ALL_GATHER_ROWS = 16
 
 
@@ -523,6 +599,17 @@ CASES: list[Case] = [
     ),
     *(
         Case(f"all_gather_matmul.v5e.{n}", "tpu-v5e", n, _all_gather_matmul, _matmul_operands, _gathered_product)
+        for n in (2, 4)
+    ),
+    *(
+        Case(
+            f"reduce_scatter_matmul.v5e.{n}",
+            "tpu-v5e",
+            n,
+            _reduce_scatter_matmul,
+            _contraction_slices,
+            _reduced_product,
+        )
         for n in (2, 4)
     ),
     *(
