@@ -14,7 +14,6 @@ its decision says what VMEM and SMEM it uses against the generation's limit.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from pallas_guard._checks import lowering as _lowering_check
@@ -131,17 +130,16 @@ class Compile(_checks.Check):
         setting = _settings.current("device").value
         gpus = [device for device in device_list(setting) if DEVICES[device][2] == "gpu"] or [target.device]
         # Under vmap, the kernel its batching rule makes; lowered without values, as the lowering check does.
-        kernel, args = jax_tracing.as_vmap_calls_it(run.kernel.build(), args) if not kwargs else (None, args)
-        build: Callable[[], Callable[..., Any]] = (
-            run.kernel.build if kernel is None else functools.partial(_same, kernel)
-        )
+        kernel = run.kernel.build()
+        if not kwargs:
+            kernel, args = jax_tracing.as_vmap_calls_it(kernel, args)
         avals, kwavals = _lowering_check.shapes_of((args, kwargs))
         compiling = []
         for gpu in gpus:
             # Lowered as for that GPU: Triton's lowering reads the compute capability of the device
             # in scope (jax 0.12), which a CPU host has none of.
             with _device.presented(gpu):
-                compiling.append(_gpu_compile.start_compile(build, avals, kwavals, gpu))
+                compiling.append(_gpu_compile.start_compile(kernel, avals, kwavals, gpu))
         if all(each.ready for each in compiling):
             return self.gpu_verdict(run, target, [each.outcome() for each in compiling])
         return _checks.Prepared(pending=lambda: self.gpu_verdict(run, target, [each.outcome() for each in compiling]))
@@ -159,10 +157,10 @@ class Compile(_checks.Check):
         refused = [outcome for outcome in outcomes if outcome.error_type is not None]
         compiled = [outcome for outcome in outcomes if outcome.error_type is None]
         if not refused:
-            memory = [use for outcome in compiled for use in gpu_memory_use(outcome)]
-            memory.sort(key=lambda use: -use.share)
+            uses = {outcome.gpu: gpu_memory_use(outcome) for outcome in compiled}
+            memory = sorted((use for each in uses.values() for use in each), key=lambda use: -use.share)
             _within_headroom(run, tuple(memory))
-            parts = [f"{o.gpu}{usage(gpu_memory_use(o), cached=o.cached, seconds=o.seconds)}" for o in compiled]
+            parts = [f"{o.gpu}{usage(uses[o.gpu], cached=o.cached, seconds=o.seconds)}" for o in compiled]
             return _checks.Prepared("compile: compiles for " + "; ".join(parts), memory=tuple(memory))
         first = refused[0]
         source = target.source if first.gpu == target.device else "the device setting"
@@ -183,10 +181,6 @@ class Compile(_checks.Check):
             step="JAX's lowering for CUDA (before XLA's GPU compiler)" if first.lowering else "XLA's GPU compile",
         )
         raise _checks.found(self.name, as_the_targets(error, refusal), kernel=run.kernel.info, call_site=run.call_site)
-
-
-def _same(kernel: Callable[..., Any]) -> Callable[..., Any]:
-    return kernel
 
 
 def _why_not_on_a_tpu(run: Run) -> str | None:

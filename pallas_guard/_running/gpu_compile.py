@@ -166,10 +166,8 @@ class Compiling:
         return self._outcome()
 
 
-def start_compile(
-    build: Callable[[], Callable[..., Any]], args: tuple[Any, ...], kwargs: dict[str, Any], gpu: str
-) -> Compiling:
-    """The kernel lowered for CUDA and exported here, now (``args``, ``kwargs``: the operands'
+def start_compile(kernel: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], gpu: str) -> Compiling:
+    """``kernel`` lowered for CUDA and exported here, now (``args``, ``kwargs``: the operands'
     shapes and dtypes); XLA's compile for ``gpu`` started in a child process, beside the caller."""
     import jax
     from jax import export
@@ -185,7 +183,7 @@ def start_compile(
     start = time.perf_counter()
     try:
         checks = [export.DisabledSafetyCheck.custom_call(name) for name in _GPU_CALLS]
-        exported = export.export(jax.jit(build()), platforms=["cuda"], disabled_checks=checks)(*args, **kwargs)
+        exported = export.export(jax.jit(kernel), platforms=["cuda"], disabled_checks=checks)(*args, **kwargs)
         blob = bytes(exported.serialize())
     except (MemoryError, RecursionError):
         raise
@@ -286,14 +284,15 @@ def figures(log: str) -> Figures | None:
 
 
 _LOG_PREFIX = re.compile(r"^[EWIF]\d{4} [\d:.]+\s+\d+ [\w.]+:\d+\] ")
-_INFO = re.compile(r"^I\d{4} [\d:.]+\s+\d+ [\w.]+:\d+\] ")
 """The prefix of XLA's own log lines (``E1207 02:46:41.841823   20862 xtile_compiler.cc:460] ``)."""
 
 
 def _refusal(gpu: str, returncode: int, stderr: str, seconds: float) -> Outcome:
     # XLA's informational lines (figures, progress) are not the refusal.
     lines = [
-        _LOG_PREFIX.sub("", line.strip()) for line in stderr.splitlines() if line.strip() and not _INFO.match(line)
+        _LOG_PREFIX.sub("", line.strip())
+        for line in stderr.splitlines()
+        if line.strip() and not (line.startswith("I") and _LOG_PREFIX.match(line))
     ]
     raised = next((m for m in map(_RAISED.match, reversed(lines)) if m), None)
     reasons = list(dict.fromkeys(line for line in lines if _REASONS.search(line) and not _RAISED.match(line)))
