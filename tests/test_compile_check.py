@@ -290,6 +290,127 @@ def test_a_kernel_without_inputs_is_compiled_for_the_tpu(guard: Any) -> None:
     assert note.startswith("compile: compiles for tpu-v5e: VMEM 10.0 MiB of 16.0 MiB"), note
 
 
+_COMPILES: list[list[str]] = []
+"""Where XLA's compiles are counted: the list of the test counting them, if any (JAX keeps a
+listener for the life of the process: one is registered, once)."""
+
+
+def _count_compiles(event: str, duration: float, **_: Any) -> None:
+    import threading
+
+    if (
+        event == "/jax/core/compile/backend_compile_duration"
+        and _COMPILES
+        and threading.current_thread().name == "MainThread"
+    ):
+        _COMPILES[-1].append("xla")
+
+
+@pytest.fixture
+def judged(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> Any:
+    """Events in order, from ``judged.clear()`` on: "verdict" when the compile check asks for
+    libtpu's verdict, "xla" when XLA has compiled a program in the main thread (libtpu compiles in a
+    thread of its own). A fresh cache folder: every verdict is compiled, none read from disk."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    events: list[str] = []
+    start = _tpu_compile.start_compile
+
+    def started(*args: Any, **kwargs: Any) -> _tpu_compile.Compiling:
+        compiling = start(*args, **kwargs)
+
+        def outcome() -> _tpu_compile.Outcome:
+            events.append("verdict")
+            return compiling.outcome()
+
+        return _tpu_compile.Compiling(outcome, compiling.ready)
+
+    monkeypatch.setattr(_tpu_compile, "start_compile", started)
+    if not _COMPILES:
+        jax.monitoring.register_event_duration_secs_listener(_count_compiles)
+    _COMPILES.append(events)
+    yield events
+    _COMPILES.remove(events)
+
+
+@needs_libtpu
+@pytest.mark.parametrize("how", ["jit call", "lower", "vmap of a jitted function"])
+def test_a_jit_call_waits_for_the_verdict_just_before_its_program_runs(guard: Any, judged: list[str], how: str) -> None:
+    """A jit call lowers, compiles and runs its program before it returns: the compile check waits
+    for libtpu's verdict just before the program runs, so that libtpu compiles while JAX lowers the
+    program and XLA compiles it. A trace alone (``.lower()``), or a jitted function transformed after
+    it was traced (``vmap``), waits as the kernel is traced."""
+    guard("interpret", checks="compile", device="tpu-v5e")
+    call = jax.jit(_kernel((64, 128), jnp.float32))
+    x = jnp.ones((64, 128), jnp.float32)
+    xs = jnp.stack([x, 2 * x])
+    expected = np.asarray(xs) + 1
+    events = judged
+    events.clear()
+    if how == "jit call":
+        np.testing.assert_array_equal(np.asarray(call(x)), np.asarray(x) + 1)
+        assert events[-2:] == ["xla", "verdict"], events
+    elif how == "lower":
+        call.lower(x)
+        assert events == ["verdict"], events
+    else:
+        np.testing.assert_array_equal(np.asarray(jax.vmap(call)(xs)), expected)
+        assert events[0] == "verdict" and "xla" in events, events
+    [decision] = [d for d in pallas_guard.decisions() if d.action == "interpreted"]
+    assert decision.notes[-1].startswith("compile: compiles for tpu-v5e: VMEM "), decision.notes
+
+
+@needs_libtpu
+def test_a_refusal_waited_for_before_the_run_stops_the_program_before_it_runs(guard: Any, judged: list[str]) -> None:
+    """The verdict of a kernel in a jit call arrives after the program was lowered and compiled: a
+    refusal is raised before anything of the program runs (a host callback beside the kernel never
+    fires), as the refusal's own finding, and the decision the program's lowering recorded for the
+    kernel is taken back: it was never interpreted."""
+    guard("interpret", checks="compile", device="tpu-v5e")
+    x = jnp.zeros((8192, 1024), jnp.float32)
+    events = judged
+    events.clear()
+    ran: list[Any] = []
+    refused = pl.pallas_call(add_one, out_shape=jax.ShapeDtypeStruct((8192, 1024), jnp.float32))
+
+    def program(x: Any) -> Any:
+        jax.debug.callback(lambda: ran.append("the program ran"))
+        return refused(x)
+
+    with pytest.raises(PallasGuardError, match=r"Scoped allocation with size 64\.00M and limit 16\.00M"):
+        jax.jit(program)(x)
+    assert events[-2:] == ["xla", "verdict"], events
+    assert ran == []
+    assert [d.action for d in pallas_guard.decisions()] == ["found"]
+    # JAX keeps the call's trace and executable, and runs them at the next call of the same shapes
+    # without tracing: that program is refused again, and still never runs.
+    with pytest.raises(PallasGuardError, match="Scoped allocation"):
+        jax.jit(program)(x + 1)
+    assert ran == []
+
+
+@needs_libtpu
+def test_a_jit_call_that_fails_before_its_program_runs_leaves_no_verdict_to_another(
+    guard: Any, judged: list[str]
+) -> None:
+    """A wait belongs to the jit call that traced the kernel: where that call fails before its
+    program runs (here its function raises after the kernel), the verdict is never asked for, and
+    the next program (another call, with nothing refused in it) runs."""
+    guard("interpret", checks="compile", device="tpu-v5e")
+    x = jnp.zeros((8192, 1024), jnp.float32)
+    refused = pl.pallas_call(add_one, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype))
+    judged.clear()
+
+    def program(x: Any) -> Any:
+        refused(x)
+        raise ValueError("the program's own failure, after the kernel")
+
+    with pytest.raises(ValueError, match="the program's own failure"):
+        jax.jit(program)(x)
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda x: x * 2)(x + 1)), np.full(x.shape, 2.0))
+    assert "verdict" not in judged, judged
+    assert [d.action for d in pallas_guard.decisions()] == []
+
+
 @needs_libtpu
 def test_under_a_mesh_of_this_hosts_devices_the_kernel_is_compiled_for_the_tpu(guard: Any) -> None:
     """`jax.set_mesh` puts this host's devices in force, where jit refuses operands placed on a TPU

@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 import threading
 import weakref
 from collections.abc import Callable, Hashable, Mapping
@@ -344,28 +345,49 @@ class Run:
         except Exception as error:
             self._finish(pending, failure=error)  # the check's finding, where it has one, wins
             raise
-        self._finish(pending, failure=None)
+        if not self._wait_before_the_run(pending):
+            self._finish(pending, failure=None)
         return out
+
+    def _wait_before_the_run(
+        self, pending: list[tuple[_checks.Check, tuple[Hashable, ...], Callable[[], _checks.Prepared]]]
+    ) -> bool:
+        """Whether the checks' waits are left to the first run of the program the kernel is traced
+        in: traced by a jit call, which lowers, compiles and runs the program before it returns
+        (not ``.lower()`` or ``eval_shape``, which must judge as they trace). The compile started
+        beside the trace then overlaps the program's lowering and XLA's compile; a refusal still
+        stops the call before anything of the program runs."""
+        call = None if self.eager else jax_tracing.jit_call_frame()
+        if call is None:
+            return False
+        return _findings.wait_before_the_run(call, functools.partial(self._finish, pending, failure=None, after=True))
 
     def _finish(
         self,
         pending: list[tuple[_checks.Check, tuple[Hashable, ...], Callable[[], _checks.Prepared]]],
         *,
         failure: BaseException | None,
+        after: bool = False,
     ) -> None:
         """What the checks that worked beside the run settle: their notes and figures added to the
-        decision, or their finding raised (from the run's own failure, where it failed)."""
+        decision, or their finding raised (from the run's own failure, where it failed). ``after``:
+        waited for just before a jit call's program runs (its compile overlapping the program's
+        lowering and compile), when the decision is recorded already."""
         __tracebackhide__ = True
         for check, check_key, finish in pending:
             try:
                 prepared = finish()
             except PallasGuardError as finding:
+                if after:  # the program's lowering recorded the kernel as interpreted: it never ran
+                    _record.withdraw(self.kernel.info, self.call_site, action="interpreted")
                 if failure is None:
                     raise
                 raise finding from failure
             self._settle_check(check_key, check, prepared)
             if prepared.note:
-                self.ledger.annotate(self.kernel.info, self.call_site, prepared.note, memory=prepared.memory)
+                self.ledger.annotate(
+                    self.kernel.info, self.call_site, prepared.note, memory=prepared.memory, recorded=after
+                )
 
     def _call(self, key: tuple[Hashable, ...], args: tuple[Any, ...], kwargs: dict[str, Any], outputs: Any) -> Any:
         __tracebackhide__ = True

@@ -102,17 +102,26 @@ class Ledger:
                 self._left[kernel_key(kernel)] = Left(tried, notes, memory)
 
     def annotate(
-        self, kernel: KernelInfo, call_site: CallSite, note: str, *, memory: tuple[MemoryUse, ...] = ()
+        self,
+        kernel: KernelInfo,
+        call_site: CallSite,
+        note: str,
+        *,
+        memory: tuple[MemoryUse, ...] = (),
+        recorded: bool = False,
     ) -> None:
         """Add ``note`` (and ``memory``, the figures it states) to what the net will record of a
         kernel left to it, or else to the decision already recorded (learned after the front door
-        committed: a check that could not apply at lowering, a compile that ran beside the kernel)."""
+        committed: a check that could not apply at lowering, a compile that ran beside the kernel);
+        ``recorded``: the net has recorded it already (learned once the program was lowered), and
+        records it again where it lowers the kernel again."""
         with self._lock:
             left = self._left.get(kernel_key(kernel))
             if left is not None:
                 notes = tuple(dict.fromkeys((*left.notes, note)))
                 self._left[kernel_key(kernel)] = left._replace(notes=notes, memory=memory or left.memory)
-                return
+                if not recorded:
+                    return
         from pallas_guard._vocabulary import record as _record
 
         _record.annotate(kernel, call_site, note, memory=memory)

@@ -8,7 +8,7 @@ import os
 import sys
 import threading
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from pallas_guard._jax.lookup import import_optional, jax_release, note_missing
@@ -96,6 +96,53 @@ def batching_rule_of_our_own() -> Callable[[Callable[..., Any]], Any] | None:
         return None
     custom_batching = import_optional("jax.custom_batching")
     return getattr(custom_batching, "custom_vmap", None)
+
+
+_JIT_CALL = ("jax._src.pjit", "cache_miss")
+"""Where ``jax.jit(f)(x)`` traces ``f`` when its cache misses (jax 0.7-0.12): the call then lowers,
+compiles and runs the program before it returns."""
+_BOUNDARIES = frozenset({"jax._src.traceback_util", "jax._src.profiler"})
+
+
+def jit_call_frame() -> types.FrameType | None:
+    """The frame of the jit call (``jax.jit(f)(x)``) tracing what is traced now, which runs the
+    program before it returns: where the outermost JAX function on this thread's stack is jit's
+    call; None for a trace alone (``.lower()``, ``.trace()``, ``eval_shape``, ``make_jaxpr``, an
+    export) or a transformation of a jitted function (``vmap``, ``grad``)."""
+    frame: types.FrameType | None = sys._getframe(1)  # noqa: SLF001 - inspect.stack() reads source files
+    outermost: types.FrameType | None = None
+    while frame is not None:
+        module = frame.f_globals.get("__name__")
+        if isinstance(module, str) and module.startswith("jax.") and module not in _BOUNDARIES:
+            outermost = frame
+        frame = frame.f_back
+    if outermost is None or (outermost.f_globals.get("__name__"), outermost.f_code.co_name) != _JIT_CALL:
+        return None
+    return outermost
+
+
+def on_the_stack(frames: Sequence[types.FrameType]) -> list[bool]:
+    """For each of ``frames``, whether it is running on this thread's stack now."""
+    running = set()
+    frame: types.FrameType | None = sys._getframe(1)  # noqa: SLF001 - inspect.stack() reads source files
+    while frame is not None:
+        running.add(id(frame))
+        frame = frame.f_back
+    return [id(f) in running for f in frames]
+
+
+_PREPARING = frozenset({"jax._src.interpreters.partial_eval", "jax._src.interpreters.mlir", "jax._src.compiler"})
+
+
+def running_a_program() -> bool:
+    """Whether a computation run now is a program's own run, not one made while a program is traced,
+    lowered or compiled (a check evaluating index maps, the guard's own measurements)."""
+    frame: types.FrameType | None = sys._getframe(1)  # noqa: SLF001 - inspect.stack() reads source files
+    while frame is not None:
+        if frame.f_globals.get("__name__") in _PREPARING:
+            return False
+        frame = frame.f_back
+    return True
 
 
 def current_trace() -> Any:

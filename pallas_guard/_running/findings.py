@@ -26,6 +26,8 @@ import itertools
 import logging
 import re
 import threading
+import types
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple, NoReturn
 
@@ -142,6 +144,55 @@ def _after_the_run(out: Any) -> None:
         work()
 
 
+# --- waits a check leaves to the computation's first run ---------------------------------------------
+# A check that started work beside a kernel's trace (the compile check: libtpu's or XLA's compile)
+# would wait for it as the trace ends. Under a jit call, which lowers, compiles and runs the program
+# before it returns, it can wait just before the program runs instead: its compile then overlaps the
+# program's lowering and XLA's compile, and a refusal still stops the call before anything runs.
+
+_waits: dict[int, list[tuple[types.FrameType, Callable[[], None]]]] = {}
+"""Per thread: the waits left to a program's first run, each with the frame of the jit call whose
+program it is (held while it waits)."""
+_refused_programs: weakref.WeakKeyDictionary[Any, PallasGuardError] = weakref.WeakKeyDictionary()
+"""Programs a wait refused, by their executable: JAX keeps a jit call's trace and executable, and
+calls them again at the next call with the same shapes, with no trace the check would see."""
+
+
+def wait_before_the_run(call: types.FrameType, wait: Callable[[], None]) -> bool:
+    """Leave ``wait`` (which may raise the finding) to the first run of the program of the jit call
+    running in frame ``call``, which the call makes before it returns (a computation made while the
+    program is traced, lowered or compiled is not its run); False where the guard's wrapper around
+    JAX's executable call is not in place (the caller waits now)."""
+    cls = jax_tracing.executable_class()
+    if cls is None or not _is_ours(vars(cls).get("__call__")):
+        return False
+    with _lock:
+        _waits.setdefault(threading.get_ident(), []).append((call, wait))
+    return True
+
+
+def _wait_now() -> None:
+    """This thread's waits for the jit call running now, all of them, before its program runs; the
+    first failure is raised once every wait is done (each records its note). Waits of a call that
+    ended without running its program (it failed to lower or compile) are dropped: nothing of
+    it ran."""
+    with _lock:
+        waits = _waits.pop(threading.get_ident(), None) or []
+    running = jax_tracing.on_the_stack([call for call, _ in waits])
+    failure: BaseException | None = None
+    for (_, wait), live in zip(waits, running, strict=True):
+        if not live:
+            continue
+        try:
+            wait()
+        except BaseException as error:  # raised below, after the others recorded theirs
+            failure = failure or error
+    if isinstance(failure, PallasGuardError):
+        raise failure.with_traceback(None) from None
+    if failure is not None:
+        raise failure
+
+
 def hook(hooks: list[Any], *, checking_at_run_time: Callable[[], bool]) -> None:
     """Wrap JAX's executable call once and quiet JAX's log of a recorded finding; the entries added
     to ``hooks`` put both back. While ``checking_at_run_time()`` (a check in force finds while a
@@ -156,14 +207,16 @@ def hook(hooks: list[Any], *, checking_at_run_time: Callable[[], bool]) -> None:
 
 
 class _ForgetGates:
-    """On uninstall: gates traced but never run, and work never done, are dropped (no later call
-    waits for them, none does a check's work for a guard that is gone)."""
+    """On uninstall: gates traced but never run, and work or waits never done, are dropped (no later
+    call waits for them, none does a check's work for a guard that is gone)."""
 
     @staticmethod
     def restore() -> None:
         with _lock:
             _awaited.clear()
             _handed_over.clear()
+            _waits.clear()
+            _refused_programs.clear()
 
 
 _CALLBACK_LOGGERS = ("jax._src.callback", "jax._src.debugging")
@@ -210,6 +263,16 @@ def _is_ours(function: Any) -> bool:
 
 def _raising_findings(call: Callable[..., Any]) -> Callable[..., Any]:
     def pallas_guard_execute(self: Any, *args: Any, **kwargs: Any) -> Any:
+        refused = _refused_programs.get(self) if _refused_programs else None
+        if refused is not None:
+            raise refused.with_traceback(None) from None
+        if _waits and jax_tracing.running_a_program():
+            try:
+                _wait_now()
+            except PallasGuardError as finding:
+                with _lock:
+                    _refused_programs[self] = finding
+                raise
         try:
             out = call(self, *args, **kwargs)
         except Exception as error:

@@ -213,6 +213,17 @@ def annotate(kernel: KernelInfo, called_at: CallSite, note_text: str, *, memory:
                 return
 
 
+def withdraw(kernel: KernelInfo, called_at: CallSite, *, action: str) -> None:
+    """Take back the latest decision ``action`` about ``kernel`` called at ``called_at``: what was
+    recorded as the kernel was lowered, before a check that judged later refused it unrun."""
+    with _lock:
+        for position in range(len(_records) - 1, -1, -1):
+            decision = _records[position]
+            if decision.kernel == kernel.name and decision.called_at == called_at.user and decision.action == action:
+                del _records[position]
+                return
+
+
 def snapshot() -> list[Decision]:
     with _lock:
         return list(_records)
