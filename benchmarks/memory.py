@@ -1,8 +1,8 @@
 """Row 4l: the peak memory of a checked first call against an unchecked one, at model shapes.
 
 JAX's shipped attention kernels and its TPU matmul at the shapes a model calls them with (a
-1024-token sequence, 128-wide heads, a KV cache of 64 pages of 16 tokens per sequence, 8 sequences), each called once, as
-a first call, in a fresh process per variant: ``none``, the set a CI job leaves on
+1024-token sequence, 128-wide heads, a KV cache of 64 pages of 16 tokens for each of 8 sequences),
+each called once, as a first call, in a fresh process per variant: ``none``, the set a CI job leaves on
 (``races,bounds,compile``) and ``all``. The memory of a call is the growth of the process's peak
 resident set over what it held just before the call (``ru_maxrss`` after, against the resident set
 before: jax, the inputs and libtpu with its TPU topology are there in every variant). Target: each kernel's checked call
