@@ -381,11 +381,14 @@ def test_a_refusal_waited_for_before_the_run_stops_the_program_before_it_runs(gu
     assert events[-2:] == ["xla", "verdict"], events
     assert ran == []
     assert [d.action for d in pallas_guard.decisions()] == ["found"]
-    # JAX keeps the call's trace and executable, and runs them at the next call of the same shapes
-    # without tracing: that program is refused again, and still never runs.
+    # JAX would keep the call's trace and executable, and run them at the next call of the same
+    # shapes without a trace: the next call is traced again and refused there, before any compile.
+    again = x + 1
+    judged.clear()
     with pytest.raises(PallasGuardError, match="Scoped allocation"):
-        jax.jit(program)(x + 1)
+        jax.jit(program)(again)
     assert ran == []
+    assert judged == ["verdict"], judged
 
 
 @needs_libtpu

@@ -131,6 +131,15 @@ def on_the_stack(frames: Sequence[types.FrameType]) -> list[bool]:
     return [id(f) in running for f in frames]
 
 
+def forget_programs() -> None:
+    """JAX's traces, lowerings and executables, dropped (``jax.clear_caches()``): what a check refused
+    after a jit call traced and compiled its program must be traced again to be judged again."""
+    import jax
+
+    clear: Callable[[], None] = jax.clear_caches
+    clear()
+
+
 _PREPARING = frozenset({"jax._src.interpreters.partial_eval", "jax._src.interpreters.mlir", "jax._src.compiler"})
 
 

@@ -27,7 +27,6 @@ import logging
 import re
 import threading
 import types
-import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple, NoReturn
 
@@ -153,9 +152,6 @@ def _after_the_run(out: Any) -> None:
 _waits: dict[int, list[tuple[types.FrameType, Callable[[], None]]]] = {}
 """Per thread: the waits left to a program's first run, each with the frame of the jit call whose
 program it is (held while it waits)."""
-_refused_programs: weakref.WeakKeyDictionary[Any, PallasGuardError] = weakref.WeakKeyDictionary()
-"""Programs a wait refused, by their executable: JAX keeps a jit call's trace and executable, and
-calls them again at the next call with the same shapes, with no trace the check would see."""
 
 
 def wait_before_the_run(call: types.FrameType, wait: Callable[[], None]) -> bool:
@@ -216,7 +212,6 @@ class _ForgetGates:
             _awaited.clear()
             _handed_over.clear()
             _waits.clear()
-            _refused_programs.clear()
 
 
 _CALLBACK_LOGGERS = ("jax._src.callback", "jax._src.debugging")
@@ -263,15 +258,14 @@ def _is_ours(function: Any) -> bool:
 
 def _raising_findings(call: Callable[..., Any]) -> Callable[..., Any]:
     def pallas_guard_execute(self: Any, *args: Any, **kwargs: Any) -> Any:
-        refused = _refused_programs.get(self) if _refused_programs else None
-        if refused is not None:
-            raise refused.with_traceback(None) from None
         if _waits and jax_tracing.running_a_program():
             try:
                 _wait_now()
-            except PallasGuardError as finding:
-                with _lock:
-                    _refused_programs[self] = finding
+            except PallasGuardError:
+                # JAX keeps the call's trace and executable, and would run them at the next call of
+                # the same shapes without a trace the check sees: dropped, that call traces again and
+                # is refused there.
+                jax_tracing.forget_programs()
                 raise
         try:
             out = call(self, *args, **kwargs)
