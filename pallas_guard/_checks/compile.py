@@ -68,7 +68,8 @@ class Compile(_checks.Check):
         ]
         if all(each.ready for each in compiling):  # known already: a refusal never runs the kernel
             return self.verdict(run, target, [each.outcome() for each in compiling], mesh)
-        # libtpu compiles beside the interpreted run; the engine asks for the verdict after it.
+        # libtpu compiles beside the interpreted run; the engine asks for the verdict after it (under
+        # a jit call, just before the program runs).
         return _checks.Prepared(pending=lambda: self.verdict(run, target, [each.outcome() for each in compiling], mesh))
 
     def verdict(
