@@ -373,22 +373,39 @@ def reduce_scatter(  # type: ignore[no-untyped-def]  # noqa: PLR0917 - a kernel 
             pl.semaphore_wait(left_capacity_sem, 1)
 
 
+def _ring_met(devices: int) -> tuple[Any, Any]:
+    """This device's index and its right neighbour on the ring, once both neighbours have signalled
+    the barrier semaphore (no remote DMA reaches a device before it runs the kernel)."""
+    import jax
+    from jax import lax
+    from jax.experimental import pallas as pl
+
+    me = jax.lax.axis_index("x")
+    right, left = lax.rem(me + 1, devices), lax.rem(me + devices - 1, devices)
+    barrier = _tpu().get_barrier_semaphore()
+    for neighbour in (left, right):
+        pl.semaphore_signal(barrier, 1, device_id=(neighbour,), device_id_type=_mesh_ids())
+    pl.semaphore_wait(barrier, 2)
+    return me, right
+
+
+def _to_the_right(src_ref: Any, dst_ref: Any, send_sem: Any, recv_sem: Any, right: Any) -> Any:
+    """A remote DMA from ``src_ref`` here to ``dst_ref`` on the right neighbour."""
+    return _tpu().make_async_remote_copy(
+        src_ref=src_ref, dst_ref=dst_ref, send_sem=send_sem, recv_sem=recv_sem, device_id=(right,),
+        device_id_type=_mesh_ids(),
+    )  # fmt: skip
+
+
 def all_gather_matmul(x_ref, y_ref, o_ref, gathered, send_sem, recv_sem, *, devices: int):  # type: ignore[no-untyped-def]  # noqa: PLR0917 - a kernel takes its refs by position
     """An all-gather matmul: the row blocks of ``x`` go round the ring of devices by remote DMA, each
     multiplied by this device's ``y`` while the next is in flight (every block has its own slot)."""
-    import jax
     import jax.numpy as jnp
     from jax import lax
     from jax.experimental import pallas as pl
 
-    pltpu = _tpu()
-    me = jax.lax.axis_index("x")
-    right, left = lax.rem(me + 1, devices), lax.rem(me + devices - 1, devices)
+    me, right = _ring_met(devices)
     rows = x_ref.shape[0]
-    barrier = pltpu.get_barrier_semaphore()
-    for neighbour in (left, right):
-        pl.semaphore_signal(barrier, 1, device_id=(neighbour,), device_id_type=_mesh_ids())
-    pl.semaphore_wait(barrier, 2)
     gathered[me] = x_ref[...]
 
     def multiply(slot: Any) -> None:
@@ -397,14 +414,7 @@ def all_gather_matmul(x_ref, y_ref, o_ref, gathered, send_sem, recv_sem, *, devi
 
     for step in range(devices - 1):
         slot = lax.rem(me - step + devices, devices)  # the block this device received last
-        copy = pltpu.make_async_remote_copy(
-            src_ref=gathered.at[slot],
-            dst_ref=gathered.at[slot],
-            send_sem=send_sem,
-            recv_sem=recv_sem,
-            device_id=(right,),
-            device_id_type=_mesh_ids(),
-        )
+        copy = _to_the_right(gathered.at[slot], gathered.at[slot], send_sem, recv_sem, right)
         copy.start()
         multiply(slot)
         copy.wait()
@@ -415,19 +425,12 @@ def reduce_scatter_matmul(a_ref, b_ref, o_ref, sending, receiving, send_sem, rec
     """A reduce-scatter matmul: each device holds a slice of the contraction (``a`` and ``b``); the
     partial products of each row block go round the ring, each device adding its own, until the
     block reaches the device that keeps it (each step has its own send and receive slot)."""
-    import jax
     import jax.numpy as jnp
     from jax import lax
     from jax.experimental import pallas as pl
 
-    pltpu = _tpu()
-    me = jax.lax.axis_index("x")
-    right, left = lax.rem(me + 1, devices), lax.rem(me + devices - 1, devices)
+    me, right = _ring_met(devices)
     rows = o_ref.shape[0]
-    barrier = pltpu.get_barrier_semaphore()
-    for neighbour in (left, right):
-        pl.semaphore_signal(barrier, 1, device_id=(neighbour,), device_id_type=_mesh_ids())
-    pl.semaphore_wait(barrier, 2)
     for step in range(devices):
         block = lax.rem(me - step - 1 + 2 * devices, devices)  # the last step's is this device's
         part = jnp.dot(a_ref[pl.ds(pl.multiple_of(block * rows, rows), rows), :], b_ref[...])
@@ -437,14 +440,7 @@ def reduce_scatter_matmul(a_ref, b_ref, o_ref, sending, receiving, send_sem, rec
             o_ref[...] = part
             break
         sending[step] = part
-        copy = pltpu.make_async_remote_copy(
-            src_ref=sending.at[step],
-            dst_ref=receiving.at[step],
-            send_sem=send_sem,
-            recv_sem=recv_sem,
-            device_id=(right,),
-            device_id_type=_mesh_ids(),
-        )
+        copy = _to_the_right(sending.at[step], receiving.at[step], send_sem, recv_sem, right)
         copy.start()
         copy.wait()
 

@@ -146,12 +146,7 @@ _PREPARING = frozenset({"jax._src.interpreters.partial_eval", "jax._src.interpre
 def running_a_program() -> bool:
     """Whether a computation run now is a program's own run, not one made while a program is traced,
     lowered or compiled (a check evaluating index maps, the guard's own measurements)."""
-    frame: types.FrameType | None = sys._getframe(1)  # noqa: SLF001 - inspect.stack() reads source files
-    while frame is not None:
-        if frame.f_globals.get("__name__") in _PREPARING:
-            return False
-        frame = frame.f_back
-    return True
+    return not running_in(_PREPARING)
 
 
 def current_trace() -> Any:

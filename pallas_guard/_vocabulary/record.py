@@ -205,23 +205,31 @@ def annotate(kernel: KernelInfo, called_at: CallSite, note_text: str, *, memory:
             collected.append(note_text)
         return
     with _lock:
-        for position in range(len(_records) - 1, -1, -1):
+        position = _latest(kernel, called_at)
+        if position is not None:
             decision = _records[position]
-            if decision.kernel == kernel.name and decision.called_at == called_at.user:
-                notes = decision.notes if note_text in decision.notes else (*decision.notes, note_text)
-                _records[position] = dataclasses.replace(decision, notes=notes, memory=memory or decision.memory)
-                return
+            notes = decision.notes if note_text in decision.notes else (*decision.notes, note_text)
+            _records[position] = dataclasses.replace(decision, notes=notes, memory=memory or decision.memory)
 
 
 def withdraw(kernel: KernelInfo, called_at: CallSite, *, action: str) -> None:
     """Take back the latest decision ``action`` about ``kernel`` called at ``called_at``: what was
     recorded as the kernel was lowered, before a check that judged later refused it unrun."""
     with _lock:
-        for position in range(len(_records) - 1, -1, -1):
-            decision = _records[position]
-            if decision.kernel == kernel.name and decision.called_at == called_at.user and decision.action == action:
-                del _records[position]
-                return
+        position = _latest(kernel, called_at, action=action)
+        if position is not None:
+            del _records[position]
+
+
+def _latest(kernel: KernelInfo, called_at: CallSite, *, action: str | None = None) -> int | None:
+    """Where the latest decision about ``kernel`` called at ``called_at`` (of ``action``, where
+    given) is in the record; the caller holds the lock."""
+    for position in range(len(_records) - 1, -1, -1):
+        decision = _records[position]
+        same_call = decision.kernel == kernel.name and decision.called_at == called_at.user
+        if same_call and (action is None or decision.action == action):
+            return position
+    return None
 
 
 def snapshot() -> list[Decision]:
