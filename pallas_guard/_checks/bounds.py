@@ -4,13 +4,13 @@ The plain interpreter turns a kernel into XLA operations: each ref access is dis
 ``dynamic_slice``/``dynamic_update_slice`` (or a gather/scatter), and each grid step copies blocks
 in and out the same way; all of them clamp an out-of-range index silently. While the lowering net
 lowers a kernel in the plain interpreter with ``bounds`` in force, the discharge rules of the access
-primitives (wrapped while the guard is installed, acting only then) put a ``checkify.check`` before
-each access: its element range against the buffer it indexes, element by element where the access
-is masked (masked-off elements are never findings). The block copies get the same check (an index
-map or scalar-prefetch value that points outside its array). The interpreter runs under
-``checkify.checkify``, which carries the first failed check through the grid loop; one host callback
-per kernel call raises it as ``PallasGuardError``. The checks read indices and change no value: a
-kernel without a finding returns what the unchecked plain interpreter returns, bit for bit.
+primitives (wrapped while the guard is installed, acting only then) put a check before each access:
+its element range against the buffer it indexes, element by element where the access is masked
+(masked-off elements are never findings). The block copies get the same check (an index map or
+scalar-prefetch value that points outside its array). The first check that fails calls back to the
+host (``checked_plain.check_vector``), which raises it as ``PallasGuardError``. The checks read
+indices and change no value: a kernel without a finding returns what the unchecked plain interpreter
+returns, bit for bit.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ from pallas_guard._checks.checked_plain import (
     Range,
     TableEntry,
     as_index,
+    check_vector,
     compose,
-    fields_of_one_vector,
     indexed,
     plus,
     site_text,
@@ -415,19 +415,11 @@ def _padded(shape: tuple[int, ...], block: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(-(-n // b) * b if b else n for n, b in zip(shape, block, strict=False))
 
 
-_PAYLOAD = 16
-"""How many values a finding shows (indices, ranges, program ids), at least: every check reports
-them in one int32 vector of this length (longer only for a finding with more). ``checkify`` keeps
-an error slot per payload shape, carried through every loop of the kernel and merged at every step,
-so one shape keeps its pass and the compiled program small."""
-
-
 def _check(ok: Condition, message: str, values: list[Any], step: _Step) -> None:
     """One check; ``step`` (gives the program ids, none for a grid of no axes) says at which grid
     step."""
     import numpy as np
     from jax import lax
-    from jax.experimental import checkify
 
     if ok is True:
         return
@@ -439,9 +431,7 @@ def _check(ok: Condition, message: str, values: list[Any], step: _Step) -> None:
     # Built from scalars and broadcasts alone: an array constant would become a const of the
     # discharged body, which JAX's discharge of a loop refuses.
     parts = [lax.broadcast_in_dim(np.int32(v) if isinstance(v, int) else as_index(v), (1,), ()) for v in values]
-    if len(values) < _PAYLOAD:
-        parts.append(lax.full((_PAYLOAD - len(values),), 0, np.int32))
-    checkify.check(pred, fields_of_one_vector(message), lax.concatenate(parts, 0))
+    check_vector(pred, message, lax.concatenate(parts, 0))
 
 
 class Bounds(_checks.Check):

@@ -2,17 +2,20 @@
 
 Bounds and races are checked inside JAX's plain interpreter, at its speed: each check in force
 whose ``in_plain`` is set prepares the kernel's lowering (``Check.arm_plain``: wraps JAX's discharge
-rules, traces the kernel again with its DMA table) and the interpreter runs under
-``checkify.checkify``, which carries the first failed check through the grid loop; one host
-callback per kernel call hands it to the check whose finding it is (``Check.plain_finding``) and
-raises it as ``PallasGuardError``. This module names no check: the lowering net, the front door and
-the engine reach the checks through it and the protocol, and the checks share its index arithmetic
-(a check is a ``checkify.check`` of one int32 vector of values, its message's fields).
+rules, traces the kernel again with its DMA table) and the interpreter is traced with the checks
+in it. A check is a ``lax.cond`` on its condition (``check_vector``: its values one int32 vector,
+its message's fields) whose failing branch alone calls back to the host: the first check that fails
+as the kernel runs hands its values to the check whose finding it is (``Check.plain_finding``),
+which is raised as ``PallasGuardError`` and stops the computation. No ``checkify``: its pass over
+the interpreter's grid loop (every branch transformed twice) cost more than the kernel's lowering.
+This module names no check: the lowering net, the front door and the engine reach the checks
+through it and the protocol, and the checks share its index arithmetic.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import functools
 import linecache
@@ -94,46 +97,37 @@ def lower(
     that are made inside it; None where this jax lacks a piece or no check has anything to check in
     this kernel (the caller lowers it unchecked). A check that cannot follow the kernel says why in
     its decision and leaves it to the others."""
-    import jax.numpy as jnp
-    from jax import lax
-    from jax.experimental import checkify, io_callback
-
     tools = jax_lowering.lowering_tools()
     if tools is None or unchecked_reason("pallas_call", params) is not None:
         return None
     lowering = PlainLowering(jax_state.private_params(params), params, kernel, call_site, hooks)
     armed: list[tuple[_checks.Check, Active]] = []
-    for check in _checks.in_force(checks):
-        active = check.arm_plain(lowering) if check.in_plain else None
-        if active is not None:
-            armed.append((check, active))
+    checking = tuple(check for check in _checks.in_force(checks) if check.in_plain)
+    failed = functools.partial(_raise_finding, lowering=lowering, checks=checking, source=_settings.stated("checks"))
+    with _failing_to(failed):  # a check that traces the kernel again (races) checks in that trace
+        for check in checking:
+            active = check.arm_plain(lowering)
+            if active is not None:
+                armed.append((check, active))
     if not armed:
         return None
     interpret = jax_pallas.plain_interpreter(lowering.params)
     if interpret is None:
         return None
     lower_fun = tools[2]
-    source = _settings.stated("checks")
 
     def checked(*args: Any) -> Any:
         with contextlib.ExitStack() as stack:
+            stack.enter_context(_failing_to(failed))
             for _, active in armed:
                 stack.enter_context(active())
             try:
-                error, out = checkify.checkify(interpret, errors=checkify.user_checks)(*args)
+                return interpret(*args)
             except Exception:
                 # A discharge cut short can leave a checked entry in JAX's discharge cache under a
                 # jaxpr the kernel shares, where the unchecked lowering that follows would read it.
                 jax_state.forget_discharges()
                 raise
-        raise_finding = functools.partial(
-            _raise_finding, lowering=lowering, checks=tuple(check for check, _ in armed), source=source
-        )
-        # Only a failed check calls back to the host (a call per kernel call would cost more than a
-        # small kernel). Unordered: no effect token, which a lowering rule has no place for.
-        failed = functools.reduce(jnp.logical_or, list(getattr(error, "_pred", {}).values()), jnp.bool_(False))
-        lax.cond(failed, lambda e: io_callback(raise_finding, None, e, ordered=False), lambda e: None, error)
-        return out
 
     return lower_fun(checked, multiple_results=True)(ctx, *in_nodes)
 
@@ -161,11 +155,10 @@ def unchecked_reason(entry_point: str, params: dict[str, Any]) -> str | None:
     return None
 
 
-def _raise_finding(error: Any, *, lowering: PlainLowering, checks: tuple[_checks.Check, ...], source: str) -> None:
-    finding = error.get()
-    if not finding:
-        return
-    message = str(finding).splitlines()[0].removesuffix(" (`check` failed)")
+def _raise_finding(
+    message: str, values: Any, *, lowering: PlainLowering, checks: tuple[_checks.Check, ...], source: str
+) -> None:
+    message = message.format(values)
     check = next((c for c in checks if c.plain_finding(message, lowering, source, lowering.call_site)), checks[0])
 
     def build(call_site: CallSite) -> PallasGuardError:
@@ -280,11 +273,42 @@ def times(a: Index, b: int) -> Index:
     return a * b if isinstance(a, int) else (a if b == 1 else lax.mul(a, traced(b)))
 
 
-def check_vector(ok: Any, message: str, vector: Any) -> None:
-    """One check whose values are one int32 vector already (``message``'s fields its elements)."""
-    from jax.experimental import checkify
+def _unreported(message: str, values: Any) -> None:
+    raise RuntimeError(f"pallas_guard: a check outside a checked lowering failed: {message.format(values)}")
 
-    checkify.check(ok, fields_of_one_vector(message), vector)
+
+_failing: contextvars.ContextVar[Callable[[str, Any], None]] = contextvars.ContextVar(
+    "pallas_guard_failing", default=_unreported
+)
+"""Where a failed check of the kernel being lowered goes: its lowering's finding, raised from the
+host (a kernel instrumented on its own, outside a lowering, has none)."""
+
+
+@contextlib.contextmanager
+def _failing_to(raise_finding: Callable[[str, Any], None]) -> Iterator[None]:
+    token = _failing.set(raise_finding)
+    try:
+        yield
+    finally:
+        _failing.reset(token)
+
+
+def check_vector(ok: Any, message: str, vector: Any) -> None:
+    """One check whose values are one int32 vector (``message``'s fields its elements). Only a
+    failed check calls back to the host, which records the finding and stops the computation there:
+    the first check that fails is the finding. Unordered: no effect token, which the interpreter's
+    grid loop and a lowering rule have no place for."""
+    import numpy as np
+    from jax import lax
+    from jax.experimental import io_callback
+
+    failed = functools.partial(_failing.get(), fields_of_one_vector(message))
+    lax.cond(
+        lax.convert_element_type(ok, np.bool_),
+        lambda values: None,
+        lambda values: io_callback(failed, None, values, ordered=False),
+        vector,
+    )
 
 
 def fields_of_one_vector(message: str) -> str:

@@ -13,7 +13,7 @@ with none is left as it is. Otherwise, before the kernel is interpreted, its jax
 state, start order, semaphore, bytes, destination and source buffer and box), which the plain
 interpreter carries from grid step to grid step like any scratch buffer. Around each DMA start and
 wait, and before each access to a buffer some DMA of the kernel touches, the traced kernel reads
-the table and updates it; a ``checkify.check`` there fails on a race, with the facts as one int32
+the table and updates it; a check there (``checked_plain.check_vector``) fails on a race, with the facts as one int32
 vector (kind, sites, buffer, the region both touch, the grid step), which :func:`describe` turns
 into the finding. A kernel without DMAs is not traced again at all.
 
@@ -194,7 +194,7 @@ def _involved(jaxpr: Any) -> tuple[frozenset[Any], dict[Any, Any]]:
     """The buffers (kernel operand positions, or allocation keys) some DMA reads or writes; and the
     ``pl.run_scoped`` allocations the check must see (by key: their avals): those of a scope with a
     DMA or an access to such a buffer, which become scratch operands of the kernel (JAX lowers a
-    scope's body on its own, where no ``checkify`` reaches)."""
+    scope's body on its own, apart from the table the kernel carries)."""
     found: set[Any] = set()
     scopes: list[tuple[Any, list[Any]]] = []
 

@@ -4,8 +4,8 @@ The table is one more scratch buffer of the kernel (``SLOTS`` rows of int32 fiel
 order, semaphore, bytes, destination and source buffer and box), carried from grid step to grid
 step. The evaluator replays the kernel's jaxpr equation by equation; around each DMA start and wait,
 and before each access to a buffer some DMA touches, it reads the table, updates it, and adds a
-``checkify.check`` that fails on a race, with the facts as one int32 vector. What those facts refer
-to by number (buffers, sites, points) is :class:`Instrumented`."""
+check (``checked_plain.check_vector``) that fails on a race, with the facts as one int32 vector.
+What those facts refer to by number (buffers, sites, points) is :class:`Instrumented`."""
 
 from __future__ import annotations
 

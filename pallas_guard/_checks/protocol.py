@@ -70,7 +70,7 @@ class Check:
     def plain_finding(
         self, message: str, lowering: PlainLowering, source: str, call_site: CallSite
     ) -> PallasGuardError | None:
-        """The finding a failed ``checkify`` check of the checked plain interpretation is, for the
+        """The finding a failed check of the checked plain interpretation is, for the
         call at ``call_site``, where it is this check's (``message``: the check's text, its fields
         filled in), else None."""
         return None
