@@ -101,7 +101,7 @@ def instrument(params: dict[str, Any], instrumented: Instrumented) -> dict[str, 
             if not instrumented.points:  # no DMA in flight where the kernel touches its buffers
                 return params
             return {**params, "jaxpr": new_jaxpr, "grid_mapping": _with_scratch(grid_mapping, (*hoisted.values(),))}
-    table_aval = ref_type(jax.core.ShapedArray((SLOTS + 3, FIELDS), jax.numpy.int32))
+    table_aval = ref_type(jax.core.ShapedArray((SLOTS + 1, FIELDS), jax.numpy.int32))
     evaluator = Evaluator(instrumented, involved, ref_type, hoisted_ids)
     new_jaxpr = _trace_instrumented(jaxpr, grid_mapping, evaluator, kept=kept, hoisted=hoisted, table_aval=table_aval)
     kept_avals = [jaxpr.invars[position].aval for position in kept]

@@ -355,46 +355,37 @@ class Evaluator:
 
     def end_step(self) -> None:
         """At the end of each grid step: no DMA in flight into a block the pipeline copies; at the
-        end of the last, none in flight at all. Then the one check of the step: the first race the
-        table recorded, if any, fails it."""
+        end of the last, none in flight at all."""
         from jax import lax
         from jax.experimental import pallas as pl
 
-        table = self._load()
-        rows = _rows(table)
+        rows = _rows(self._load())
         in_flight = lax.eq(_field(rows, STATE), i32(IN_FLIGHT))
+        findings = []
         pipelined = [i for i, b in enumerate(self.instrumented.buffers) if b.pipelined]
         if pipelined:
             into_block = functools.reduce(lax.bitwise_or, [lax.eq(_field(rows, DST), i32(i)) for i in pipelined])
-            table = self._record(table, lax.bitwise_and(in_flight, into_block), 9, None)
+            findings.append(self._finding(rows, lax.bitwise_and(in_flight, into_block), 9, None))
         last = functools.reduce(
             lax.bitwise_and,
             [lax.eq(i, lax.sub(i32(pl.num_programs(axis)), i32(1))) for axis, i in enumerate(self.step_ids)],
             _true(),
         )
-        table = self._record(table, lax.bitwise_and(in_flight, lax.broadcast(last, (SLOTS,))), 8, None)
-        self._store(table)
-        finding = lax.slice_in_dim(table, SLOTS + 1, SLOTS + 3, axis=0)
-        values = [lax.index_in_dim(finding, 0, 0, keepdims=False)]
-        values = [lax.reshape(finding, (2 * FIELDS,)), *[lax.broadcast(i32(i), (1,)) for i in self.step_ids]]
-        vector = lax.concatenate(values, 0)
-        message = MARK + " " + " ".join("{}" for _ in range(2 * FIELDS + len(self.step_ids)))
-        ok = lax.eq(lax.index_in_dim(vector, 0, 0, keepdims=False), i32(0))
-        checked_plain.check_vector(ok, message, vector)
+        findings.append(self._finding(rows, lax.bitwise_and(in_flight, lax.broadcast(last, (SLOTS,))), 8, None))
+        self._check_first(findings)
 
-    def _record(
-        self, table: Any, hits: Any, kind: int, access: tuple[int, int, list[tuple[Any, Any]], int | None] | None
-    ) -> Any:
-        """``table`` with its finding rows set, where they hold none yet and any row ``hits``: the
-        check point (what was checked where, known while tracing: ``Instrumented.points``) and the
-        traced bounds of its region in one row, a copy of the first hit row's DMA in the next."""
+    def _finding(
+        self, rows: Any, hits: Any, kind: int, access: tuple[int, int, list[tuple[Any, Any]], int | None] | None
+    ) -> tuple[Any, Any]:
+        """(whether any row ``hits``, the finding's facts): the check point (what was checked where,
+        known while tracing: ``Instrumented.points``) and the traced bounds of its region, the first
+        hit row's DMA, the grid step."""
         from jax import lax
 
-        rows = _rows(table)
         found = lax.reduce_or(hits, (0,))
         # The first row hit: a min over the row numbers (cheaper to compile than an argmax).
         first = _min(lax.select(hits, lax.iota(_INT, SLOTS), lax.full((SLOTS,), SLOTS - 1, _INT)), 0)
-        row = lax.dynamic_index_in_dim(rows, first, 0, keepdims=False)
+        row = _row(rows, first)
         template: list[tuple[Any, Any]] = []
         traced: list[Any] = []
         if access is not None:
@@ -409,11 +400,20 @@ class Evaluator:
         point = len(self.instrumented.points)
         parts = [lax.broadcast(i32(v), (1,)) for v in (point, *traced)]
         parts.append(lax.full((FIELDS - len(parts),), 0, _INT))
-        held, held_row = (lax.index_in_dim(table, SLOTS + k, 0, keepdims=False) for k in (1, 2))
-        take = lax.bitwise_and(found, lax.eq(lax.index_in_dim(held, 0, 0, keepdims=False), i32(0)))
-        take = lax.broadcast(take, (FIELDS,))
-        table = lax.dynamic_update_index_in_dim(table, lax.select(take, lax.concatenate(parts, 0), held), SLOTS + 1, 0)
-        return lax.dynamic_update_index_in_dim(table, lax.select(take, row, held_row), SLOTS + 2, 0)
+        parts += [row, *[lax.broadcast(i32(i), (1,)) for i in self.step_ids]]
+        return found, lax.concatenate(parts, 0)
+
+    def _check_first(self, findings: Sequence[tuple[Any, Any]]) -> None:
+        """One check of an event (an access, a DMA's start or wait, a step's end) that fails with
+        the first of its ``findings`` found, in the order given."""
+        from jax import lax
+
+        found, vector = findings[-1]
+        for earlier, facts in reversed(findings[:-1]):
+            vector = lax.select(lax.broadcast(earlier, vector.shape), facts, vector)
+            found = lax.bitwise_or(earlier, found)
+        message = MARK + " " + " ".join("{}" for _ in range(vector.shape[0]))
+        checked_plain.check_vector(lax.bitwise_not(found), message, vector)
 
     def _hits(self, rows: Any, buffer: int, box: list[tuple[Any, Any]], field: int, box_field: int) -> Any:
         """Which rows hold a DMA in flight whose ``field`` buffer is ``buffer`` and whose box there
@@ -444,12 +444,11 @@ class Evaluator:
         buffer = self._buffer(key)
         site = self.instrumented.site(eqn)
         write = how.kind == "write"
-        table = self._load()
-        rows = _rows(table)
+        rows = _rows(self._load())
         hits = self._hits(rows, buffer, box, DST, DST_BOX)
         if write:  # its destination or its source: the finding's DMA row tells which
             hits = lax.bitwise_or(hits, self._hits(rows, buffer, box, SRC, SRC_BOX))
-        self._store(self._record(table, hits, 2 if write else 1, (site, buffer, box, DST_BOX)))
+        self._check_first([self._finding(rows, hits, 2 if write else 1, (site, buffer, box, DST_BOX))])
 
     def _dma_operands(self, eqn: Any, values: list[Any], key_of: dict[Any, Any]) -> tuple[Any, ...]:
         atoms = unflatten(eqn)
@@ -492,15 +491,19 @@ class Evaluator:
         rows = _rows(table)
         # The DMA reads its source and writes its destination, concurrently with those in flight.
         reads_in_flight = self._hits(rows, src, src_box, DST, DST_BOX)
-        table = self._record(table, reads_in_flight, 4, (site, src, src_box, DST_BOX))
         # Into a region another DMA in flight writes or reads: the finding's DMA row tells which.
         writes = lax.bitwise_or(
             self._hits(rows, dst, dst_box, DST, DST_BOX), self._hits(rows, dst, dst_box, SRC, SRC_BOX)
         )
-        table = self._record(table, writes, 5, (site, dst, dst_box, DST_BOX))
         free = lax.eq(_field(rows, STATE), i32(_FREE))
         full = lax.bitwise_not(lax.reduce_or(free, (0,)))
-        table = self._record(table, lax.broadcast(full, (SLOTS,)), 10, None)
+        self._check_first(
+            [
+                self._finding(rows, reads_in_flight, 4, (site, src, src_box, DST_BOX)),
+                self._finding(rows, writes, 5, (site, dst, dst_box, DST_BOX)),
+                self._finding(rows, lax.broadcast(full, (SLOTS,)), 10, None),
+            ]
+        )
         slot = lax.argmax(free, 0, _INT)
         counters = lax.index_in_dim(table, SLOTS, 0, keepdims=False)
         order = lax.index_in_dim(counters, 0, 0, keepdims=False)
@@ -517,10 +520,10 @@ class Evaluator:
             fields += [first, end]
         row = lax.concatenate([lax.broadcast(i32(f), (1,)) for f in fields], 0)
         # A full table keeps its rows (the finding says the check could not follow the kernel).
-        row = lax.select(lax.broadcast(full, (FIELDS,)), lax.dynamic_index_in_dim(rows, slot, 0, keepdims=False), row)
-        table = lax.dynamic_update_index_in_dim(table, row, slot, 0)
-        counters = lax.dynamic_update_index_in_dim(counters, lax.add(order, i32(1)), 0, 0)
-        self._store(lax.dynamic_update_index_in_dim(table, counters, SLOTS, 0))
+        row = lax.select(lax.broadcast(full, (FIELDS,)), _row(rows, slot), row)
+        table = _with_row(table, row, slot)
+        counters = lax.dynamic_update_slice(counters, lax.broadcast(lax.add(order, i32(1)), (1,)), (i32(0),))
+        self._store(_with_row(table, counters, SLOTS))
 
     def dma_wait(self, eqn: Any, values: list[Any], key_of: dict[Any, Any]) -> None:
         from jax import lax
@@ -548,16 +551,14 @@ class Evaluator:
         left = lax.select(used_here, lax.sub(amount, taken), amount)
         total = _sum(lax.select(eligible, amount, zeros), 0)
         site = self.instrumented.site(eqn)
-        table = self._record_wait(table, lax.lt(total, wanted), site=site, traced=traced, atoms=atoms, key_of=key_of)
+        self._check_wait(rows, lax.lt(total, wanted), site=site, traced=traced, atoms=atoms, key_of=key_of)
         new_state = lax.select(
             used_here, lax.select(lax.gt(left, zeros), lax.full((SLOTS,), _CREDIT, _INT), zeros), state
         )
         rows = _set_field(_set_field(rows, STATE, new_state), BYTES, left)
         self._store(lax.dynamic_update_slice_in_dim(table, rows, 0, 0))
 
-    def _record_wait(
-        self, table: Any, stuck: Any, *, site: int, traced: Any, atoms: Any, key_of: dict[Any, Any]
-    ) -> Any:
+    def _check_wait(self, rows: Any, stuck: Any, *, site: int, traced: Any, atoms: Any, key_of: dict[Any, Any]) -> None:
         key = key_of.get(atoms[1].ref)
         if key is None:
             raise Unsupported("a DMA wait whose buffer the check cannot place")
@@ -565,7 +566,7 @@ class Evaluator:
         box = self._box(key, tuple(traced[1].transforms))
         from jax import lax
 
-        return self._record(table, lax.broadcast(stuck, (SLOTS,)), 7, (site, buffer, box, None))
+        self._check_first([self._finding(rows, lax.broadcast(stuck, (SLOTS,)), 7, (site, buffer, box, None))])
 
 
 _INT = "int32"
@@ -610,7 +611,23 @@ def _field(rows: Any, field: int) -> Any:
 def _set_field(rows: Any, field: int, column: Any) -> Any:
     from jax import lax
 
-    return lax.dynamic_update_index_in_dim(rows, lax.broadcast_in_dim(column, (SLOTS, 1), (0,)), field, 1)
+    return lax.dynamic_update_slice(rows, lax.broadcast_in_dim(column, (SLOTS, 1), (0,)), (i32(0), i32(field)))
+
+
+# Rows read and written with lax.dynamic_slice and dynamic_update_slice themselves: lax's
+# *_index_in_dim helpers wrap each in a jitted call of its own (hundreds in a kernel's trace).
+
+
+def _row(rows: Any, index: Any) -> Any:
+    from jax import lax
+
+    return lax.reshape(lax.dynamic_slice(rows, (i32(index), i32(0)), (1, FIELDS)), (FIELDS,))
+
+
+def _with_row(table: Any, row: Any, index: Any) -> Any:
+    from jax import lax
+
+    return lax.dynamic_update_slice(table, lax.broadcast_in_dim(row, (1, FIELDS), (1,)), (i32(index), i32(0)))
 
 
 def _min(values: Any, axis: int) -> Any:
