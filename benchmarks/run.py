@@ -50,7 +50,7 @@ GROUPS: dict[str, tuple[str, str]] = {
     "tpu_values": ("tpu_values", "4h. CPU values vs the TPU's"),
     "races": ("races", "4i. race check in the plain interpretation: first call and steady vs unchecked"),
     "sharded": ("sharded", "4j-4k. shard_map on 2, 4, 8 CPU devices: the compile check, the interpreted run"),
-    "memory": ("memory", "4l. peak memory of a checked first call vs unchecked, at model shapes"),
+    "memory": ("memory", "4l. peak memory of a checked run vs unchecked, at model shapes"),
 }
 
 
