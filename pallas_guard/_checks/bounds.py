@@ -427,11 +427,10 @@ def _check(ok: Condition, message: str, values: list[Any], step: _Step) -> None:
     if program_ids:
         message += f", at grid step ({', '.join('{}' for _ in program_ids)}{',' if len(program_ids) == 1 else ''})"
         values = [*values, *program_ids]
-    pred = lax.convert_element_type(ok, np.bool_)  # a bool scalar, also where it is known (False)
     # Built from scalars and broadcasts alone: an array constant would become a const of the
     # discharged body, which JAX's discharge of a loop refuses.
     parts = [lax.broadcast_in_dim(np.int32(v) if isinstance(v, int) else as_index(v), (1,), ()) for v in values]
-    check_vector(pred, message, lax.concatenate(parts, 0))
+    check_vector(ok, message, lax.concatenate(parts, 0))
 
 
 class Bounds(_checks.Check):

@@ -304,7 +304,7 @@ def check_vector(ok: Any, message: str, vector: Any) -> None:
 
     failed = functools.partial(_failing.get(), fields_of_one_vector(message))
     lax.cond(
-        lax.convert_element_type(ok, np.bool_),
+        lax.convert_element_type(ok, np.bool_),  # a bool scalar, also where it is known (False)
         lambda values: None,
         lambda values: io_callback(failed, None, values, ordered=False),
         vector,

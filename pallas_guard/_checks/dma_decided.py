@@ -10,21 +10,18 @@ import functools
 from collections.abc import Sequence
 from typing import Any
 
-from pallas_guard._checks import checked_plain
 from pallas_guard._checks.dma_table import (
     BYTES,
     DST,
     DST_BOX,
     FIELDS,
     IN_FLIGHT,
-    MARK,
     SITE,
     SLOTS,
     SRC,
     SRC_BOX,
     STATE,
     Evaluator,
-    Point,
     Unsupported,
     bytes,
     ends,
@@ -99,12 +96,6 @@ class Decided(Evaluator):
         facts laid out as the table's (``describe`` reads both)."""
         from jax import lax
 
-        box = ends(region)
-        template = [tuple(v if isinstance(v, int) else None for v in pair) for pair in box]
-        traced = [v for pair in box for v in pair if not isinstance(v, int)]
-        self.instrumented.points.append(Point(kind, site, buffer, template, against))  # type: ignore[arg-type]
-        recorded: list[Any] = [len(self.instrumented.points), *traced]
-        recorded += [0] * (FIELDS - len(recorded))
         fields: list[Any] = [0] * FIELDS
         if row is not None:
             fields[STATE], fields[BYTES], fields[DST], fields[SRC], fields[SITE] = (
@@ -117,11 +108,9 @@ class Decided(Evaluator):
             for field, row_box in ((DST_BOX, row.dst_box), (SRC_BOX, row.src_box)):
                 for d, (first, end) in enumerate(ends(row_box)):
                     fields[field + 2 * d], fields[field + 2 * d + 1] = first, end
-        values = [*recorded, *fields, *self.step_ids]
-        vector = lax.concatenate([lax.broadcast(i32(v), (1,)) for v in values], 0)
-        ok = lax.full((), False, "bool") if hit is True else lax.bitwise_not(hit)
-        message = MARK + " " + " ".join("{}" for _ in values)
-        checked_plain.check_vector(ok, message, vector)
+        point = self._point(kind, site, buffer, ends(region), against)
+        dma = lax.concatenate([lax.broadcast(i32(v), (1,)) for v in fields], 0)
+        self._fail_where(lax.full((), True, "bool") if hit is True else hit, lax.concatenate([point, dma], 0))
 
     def _against_rows(self, kind: int, site: int, buffer: int, region: Any, *, dst: bool, src: bool) -> None:
         for row in self.rows:

@@ -377,41 +377,46 @@ class Evaluator:
     def _finding(
         self, rows: Any, hits: Any, kind: int, access: tuple[int, int, list[tuple[Any, Any]], int | None] | None
     ) -> tuple[Any, Any]:
-        """(whether any row ``hits``, the finding's facts): the check point (what was checked where,
-        known while tracing: ``Instrumented.points``) and the traced bounds of its region, the first
-        hit row's DMA, the grid step."""
+        """(whether any row ``hits``, the finding's facts: its check point, then the first hit row's
+        DMA)."""
         from jax import lax
 
         found = lax.reduce_or(hits, (0,))
         # The first row hit: a min over the row numbers (cheaper to compile than an argmax).
         first = _min(lax.select(hits, lax.iota(_INT, SLOTS), lax.full((SLOTS,), SLOTS - 1, _INT)), 0)
-        row = _row(rows, first)
-        template: list[tuple[Any, Any]] = []
-        traced: list[Any] = []
-        if access is not None:
-            for first, end in access[2]:
-                template.append(tuple(v if isinstance(v, int) else None for v in (first, end)))  # type: ignore[arg-type]
-                traced += [v for v in (first, end) if not isinstance(v, int)]
-        self.instrumented.points.append(
-            Point(
-                kind, access[0] if access else -1, access[1] if access else -1, template, access[3] if access else None
-            )
-        )
-        point = len(self.instrumented.points)
-        parts = [lax.broadcast(i32(v), (1,)) for v in (point, *traced)]
+        site, buffer, box, against = access if access is not None else (-1, -1, [], None)
+        return found, lax.concatenate([self._point(kind, site, buffer, box, against), _row(rows, first)], 0)
+
+    def _point(self, kind: int, site: int, buffer: int, box: Sequence[tuple[Any, Any]], against: int | None) -> Any:
+        """A finding's first ``FIELDS`` values, as int32: the number of its check point (what was
+        checked where, known while tracing: ``Instrumented.points``), then the traced bounds of its
+        region."""
+        from jax import lax
+
+        template = [(v if isinstance(v, int) else None, w if isinstance(w, int) else None) for v, w in box]
+        traced = [v for pair in box for v in pair if not isinstance(v, int)]
+        self.instrumented.points.append(Point(kind, site, buffer, template, against))
+        parts = [lax.broadcast(i32(v), (1,)) for v in (len(self.instrumented.points), *traced)]
         parts.append(lax.full((FIELDS - len(parts),), 0, _INT))
-        parts += [row, *[lax.broadcast(i32(i), (1,)) for i in self.step_ids]]
-        return found, lax.concatenate(parts, 0)
+        return lax.concatenate(parts, 0)
 
     def _check_first(self, findings: Sequence[tuple[Any, Any]]) -> None:
         """One check of an event (an access, a DMA's start or wait, a step's end) that fails with
         the first of its ``findings`` found, in the order given."""
         from jax import lax
 
-        found, vector = findings[-1]
-        for earlier, facts in reversed(findings[:-1]):
-            vector = lax.select(lax.broadcast(earlier, vector.shape), facts, vector)
+        found, facts = findings[-1]
+        for earlier, its_facts in reversed(findings[:-1]):
+            facts = lax.select(lax.broadcast(earlier, facts.shape), its_facts, facts)
             found = lax.bitwise_or(earlier, found)
+        self._fail_where(found, facts)
+
+    def _fail_where(self, found: Any, facts: Any) -> None:
+        """The check that fails where ``found``, with ``facts`` and the grid step as its values (what
+        ``dma_races.describe`` reads)."""
+        from jax import lax
+
+        vector = lax.concatenate([facts, *[lax.broadcast(i32(i), (1,)) for i in self.step_ids]], 0)
         message = MARK + " " + " ".join("{}" for _ in range(vector.shape[0]))
         checked_plain.check_vector(lax.bitwise_not(found), message, vector)
 
