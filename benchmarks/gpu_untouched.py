@@ -99,7 +99,7 @@ def main() -> int:
         check(f"{name} without the guard: lowering the same twice", observe(name, f, args)[0] == unguarded[name][0])
     settings: list[dict[str, Any]] = [
         {"policy": "interpret"},
-        {"policy": "warn", "device": "h100", "checks": "all"},
+        {"policy": "warn", "device": "h100", "checks": "all,agree"},
         {"policy": "strict"},
     ]
     for given in settings:

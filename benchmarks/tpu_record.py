@@ -227,7 +227,7 @@ def worker(out: Path, names: list[str], deviceless: str | None, calls: int, guar
 
     generation = deviceless or _generation(jax.devices()[0].device_kind)
     if guarded:  # on a TPU the guard must change nothing: the same outcomes and bytes as without it
-        pallas_guard.install(guarded, checks="all", device=generation)
+        pallas_guard.install(guarded, checks="all,agree", device=generation)
     else:
         pallas_guard.uninstall()  # the record is JAX's own behaviour, with no guard in the way
     import tpu_corpus
@@ -236,7 +236,7 @@ def worker(out: Path, names: list[str], deviceless: str | None, calls: int, guar
     if not data.get("meta"):
         data["meta"] = meta(deviceless)
         if guarded:
-            data["meta"]["guard"] = f"policy {guarded}, checks all, device {generation}"
+            data["meta"]["guard"] = f"policy {guarded}, checks all,agree, device {generation}"
         save(out, data)
     for name in names:
         case = tpu_corpus.by_name(name)

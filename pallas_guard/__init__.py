@@ -73,7 +73,8 @@ def policy(
     """Override settings inside a ``with`` block; thread- and task-local.
 
     ``checks``: ``"races"``, ``"bounds"``, ``"agree"``, ``"lowering"``, ``"compile"`` (a comma
-    list or an iterable), ``"all"`` or ``"none"``; ``fast_plain``: False runs JAX's plain
+    list or an iterable), ``"all"`` (every check but ``"agree"``, which ``"all,agree"`` adds)
+    or ``"none"``; ``fast_plain``: False runs JAX's plain
     interpreter as it ships; ``max_steps``: the most grid steps an interpreted kernel may run;
     ``device``: the TPU/GPU host code is told it runs on (``"tpu-v5e"``, ``"h100"``, ... or
     ``"none"``), or several (a comma list or a sequence: host code is told the first, each kernel

@@ -1,5 +1,6 @@
 """``checks=all`` replayed on every corpus: no finding on a kernel that is right, a
-``PallasGuardError`` on one that is not.
+``PallasGuardError`` on one that is not; and ``all,agree`` (``all`` leaves ``agree`` out for its
+cost, not for a false finding), which must hold the same.
 
 - the TPU-recorded corpus (``tpu_corpus``, ``data/tpu_v5e_records.json``): what a real TPU v5e ran
   gives no finding; what it refused while lowering (and, with libtpu here, while compiling) or
@@ -36,9 +37,13 @@ def _findings() -> list[str]:
     return [f"{d.check}: {d.kernel}" for d in pallas_guard.decisions() if d.action == "found"]
 
 
-def _under_all(run: Any, device: str | None = "tpu-v5e") -> BaseException | None:
-    """``run()`` under ``checks=all``: the error it raised, or None."""
-    pallas_guard.install("interpret", checks="all", device=device)
+EVERY = ("all", "all,agree")
+"""``all``, and ``all`` with what it leaves out."""
+
+
+def _under(checks: str, run: Any, device: str | None = "tpu-v5e") -> BaseException | None:
+    """``run()`` under ``checks``: the error it raised, or None."""
+    pallas_guard.install("interpret", checks=checks, device=device)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -60,12 +65,13 @@ def _tpu_refuses(name: str) -> bool:
     return phase in ("lower", "run") or (phase == "compile" and COMPILER)
 
 
+@pytest.mark.parametrize("checks", EVERY)
 @pytest.mark.parametrize(
     "name", [case.name for case in tpu_corpus.cases() if case.interpretable is None and case.name in RECORDS]
 )
-def test_the_tpu_corpus_under_all_finds_what_the_tpu_refused_and_nothing_else(name: str) -> None:
+def test_the_tpu_corpus_under_all_finds_what_the_tpu_refused_and_nothing_else(name: str, checks: str) -> None:
     case = tpu_corpus.by_name(name)
-    raised = _under_all(lambda: case.build()(*case.inputs()))
+    raised = _under(checks, lambda: case.build()(*case.inputs()))
     if _tpu_refuses(name):
         assert isinstance(raised, PallasGuardError), (
             f"{name}: the TPU refused it ({RECORDS[name]['phase']}): {raised!r}"
@@ -75,15 +81,16 @@ def test_the_tpu_corpus_under_all_finds_what_the_tpu_refused_and_nothing_else(na
         assert not _findings()
 
 
+@pytest.mark.parametrize("checks", EVERY)
 @pytest.mark.parametrize(
     "case", [case for case in race_corpus.CASES if not case.detector.startswith("error")], ids=lambda case: case.name
 )
-def test_the_race_corpus_under_all_finds_each_race_and_nothing_else(case: Any) -> None:
+def test_the_race_corpus_under_all_finds_each_race_and_nothing_else(case: Any, checks: str) -> None:
     """(A case no interpreter runs, whose detector verdict is an error, is left out.)"""
     if jax_lookup.jax_release() < case.min_jax:
         pytest.skip(f"needs jax >= {case.min_jax}")
     fn, args = case.build(None)
-    raised = _under_all(lambda: fn(*args))
+    raised = _under(checks, lambda: fn(*args))
     if case.kind is None:
         assert raised is None, f"{case.name}: a valid kernel: {raised!r}"
         assert not _findings()
@@ -95,10 +102,11 @@ def _runnable(case: Case) -> bool:
     return not case.xfail and case.devices <= len(jax.devices("cpu")) and case.skip_reason() is None
 
 
+@pytest.mark.parametrize("checks", EVERY)
 @pytest.mark.parametrize("case", [case for case in cases() if _runnable(case)], ids=lambda case: case.name)
-def test_jaxs_shipped_kernels_under_all_give_no_finding_and_the_references_values(case: Case) -> None:
+def test_jaxs_shipped_kernels_under_all_give_no_finding_and_the_references_values(case: Case, checks: str) -> None:
     results: list[Any] = []
-    raised = _under_all(lambda: results.append(case.run()) or results[-1], device=case.device)
+    raised = _under(checks, lambda: results.append(case.run()) or results[-1], device=case.device)
     assert raised is None, f"{case.name}: {raised!r}"
     assert not _findings()
     check(case, results[-1])

@@ -78,7 +78,7 @@ def plus_one(x_ref, o_ref):  # type: ignore[no-untyped-def]
 
 @needs_tpu_interpreter
 @pytest.mark.parametrize("how", ["eager", "jit"])
-@pytest.mark.parametrize("checks", ["bounds,agree", "all"])
+@pytest.mark.parametrize("checks", ["bounds,agree", "all", "all,agree"])
 def test_an_index_map_past_the_array_is_a_pallas_guard_error(guard: Any, how: str, checks: str) -> None:
     guard("interpret", checks=checks)
     kernel = pl.pallas_call(
@@ -105,7 +105,7 @@ def empty_copy(x_hbm, o_ref, buf, sem):  # type: ignore[no-untyped-def]
     o_ref[...] = jnp.full(o_ref.shape, x_hbm.shape[0], o_ref.dtype)
 
 
-@pytest.mark.parametrize("checks", ["races", "bounds", "races,bounds", "all"])
+@pytest.mark.parametrize("checks", ["races", "bounds", "races,bounds", "all", "all,agree"])
 def test_an_empty_dma_is_no_finding(guard: Any, checks: str) -> None:
     """A zero-length copy moves nothing and completes as it starts: no DMA is left in flight, and
     nothing is read out of bounds."""

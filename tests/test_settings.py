@@ -67,7 +67,9 @@ def test_options_declare_each_setting_once() -> None:
         ("policy", " Strict\n", "strict"),
         ("interpreter", "\tTPU", "tpu"),
         ("checks", " Races, BOUNDS", frozenset({"races", "bounds"})),
-        ("checks", "all", frozenset({"races", "bounds", "agree", "lowering", "compile"})),
+        ("checks", "all", frozenset({"races", "bounds", "lowering", "compile"})),
+        ("checks", "All, agree", frozenset({"races", "bounds", "agree", "lowering", "compile"})),
+        ("checks", "bounds,all", frozenset({"races", "bounds", "lowering", "compile"})),
         ("checks", "None", frozenset()),
         ("max_steps", " 512 ", 512),
         ("device", " TPU v5 lite ", "tpu-v5e"),
@@ -79,6 +81,23 @@ def test_options_declare_each_setting_once() -> None:
 def test_every_option_parses_case_and_whitespace_insensitively(name: str, raw: str, expected: object) -> None:
     assert OPTIONS[name].parse(raw, "test") == expected
     assert OPTIONS[name].from_environment({OPTIONS[name].env: raw}) == expected
+
+
+def test_all_is_every_check_but_those_asked_for_by_name_and_says_so_in_the_error() -> None:
+    """What ``all`` leaves out is named, with why, in the table, and a near miss of ``all,agree`` is
+    corrected to it; ``none`` is not a member of a list."""
+    from pallas_guard_autoload import ALL_CHECKS, BY_NAME_ONLY, CHECKS
+
+    assert set(BY_NAME_ONLY) == {"agree"} and all(BY_NAME_ONLY.values())
+    assert set(CHECKS) - set(BY_NAME_ONLY) == ALL_CHECKS
+    assert OPTIONS["checks"].parse(["all", "agree"], "test") == frozenset(CHECKS)
+    assert OPTIONS["checks"].word(OPTIONS["checks"].parse("all", "test")) == "races,bounds,lowering,compile"
+    for raw, suggestion in (("all,agre", "'all,agree'"), ("all,none", None)):
+        with pytest.raises(PallasGuardConfigError) as raised:
+            OPTIONS["checks"].parse(raw, "PALLAS_GUARD_CHECKS")
+        message = str(raised.value)
+        assert f"PALLAS_GUARD_CHECKS={raw!r}" in message and "'all' (every check but agree" in message
+        assert (f"did you mean {suggestion}?" in message) if suggestion else "did you mean" not in message
 
 
 @pytest.mark.parametrize(

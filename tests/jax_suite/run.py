@@ -1,6 +1,6 @@
 """JAX's own TPU Pallas tests, run on a CPU under pallas_guard, with and without its checks.
 
-    python tests/jax_suite/run.py [--checks all] [--files tpu_pallas_test.py ...] [--out FILE]
+    python tests/jax_suite/run.py [--checks all,agree] [--files tpu_pallas_test.py ...] [--out FILE]
 
 Each test file runs twice in one pytest process each (policy ``interpret``, device ``tpu-v5e``):
 once with ``PALLAS_GUARD_CHECKS=none``, once with the checks asked for. A **false finding** is a
@@ -397,7 +397,9 @@ def report(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--checks", default="all", help="the checks compared with none (default: all)")
+    parser.add_argument(
+        "--checks", default="all,agree", help="the checks compared with none (default: all,agree, every check)"
+    )
     parser.add_argument("--files", nargs="+", default=list(FILES), choices=FILES + OTHER_FILES, metavar="FILE")
     parser.add_argument("--out", type=Path, help="also write the summary (Markdown) to this file")
     parser.add_argument("--jax-source", default=os.environ.get("JAX_SUITE_SOURCE"), help="a jax git repo or checkout")
