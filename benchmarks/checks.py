@@ -1,12 +1,14 @@
-"""Row 4f: the first call of a kernel with every check on (``checks=all``) vs with none.
+"""Row 4f: the first call of a kernel with ``checks=all`` vs with none.
 
 ``all`` is every check but ``agree``; ``all,agree`` (every check) is timed beside it.
 
 Each sample is one first call, as in row 4c: JAX's caches cleared, the guard installed afresh
-(policy ``interpret``, its settled choices forgotten), the kernel built and called once, its result
-checked. Kernels: the test corpus (``tests/ops_corpus.py``, as row 4c calls it) and a few Mosaic-TPU
-kernels of ``tests/tpu_corpus.py`` that ran on a TPU v5e, called eagerly with the device setting
-``tpu-v5e``, their outputs checked against the chip's. Per kernel, nine variants run in one round,
+(policy ``interpret``, its settled choices forgotten), no compile kept on disk (each call gets an
+empty ``XDG_CACHE_HOME``: a verdict an earlier call or run kept would spare the compile check its
+libtpu compile), the kernel built and called once, its result checked. Kernels: the test corpus
+(``tests/ops_corpus.py``, as row 4c calls it) and a few Mosaic-TPU kernels of ``tests/tpu_corpus.py``
+that ran on a TPU v5e, called eagerly with the device setting ``tpu-v5e``, their outputs checked
+against the chip's. Per kernel, nine variants run in one round,
 in an order that rotates from round to round: ``none``, ``all``, ``all,agree``, ``all`` less
 ``races`` and each check alone; each round's ratio is a variant's time over that round's
 ``none``. Target: the median over the kernels of ``all`` / ``none`` <= 1.5, reported by kernel
@@ -20,6 +22,7 @@ import contextlib
 import os
 import statistics
 import sys
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -92,23 +95,32 @@ def _tpu_kernels(names: frozenset[str] | None) -> list[FirstCall]:
     return calls
 
 
-def _first_call(kernel: FirstCall, checks: str) -> Sample:
-    """One first call with ``checks``: JAX's caches and the guard's choices cleared."""
+def _first_call(kernel: FirstCall, checks: str, kept: str | None = None) -> Sample:
+    """One first call with ``checks``: JAX's caches and the guard's choices cleared, and no compile
+    kept on disk (an empty ``XDG_CACHE_HOME``: the compile check's libtpu compiles the kernel), or
+    those an earlier call kept in ``kept`` (a CI job whose cache folder is restored)."""
     import jax
 
     import pallas_guard
 
+    cache_home = os.environ.get("XDG_CACHE_HOME")
     jax.clear_caches()
     pallas_guard.uninstall()  # forgets the settled choices, lowerings and compiles
     pallas_guard.install("interpret", checks=checks, max_steps=None, device=kernel.device)
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            with Stopwatch() as watch:
-                out = jax.block_until_ready(kernel.call())
-        kernel.check(out)
+        with tempfile.TemporaryDirectory(prefix="pallas_guard-bench-") as empty:
+            os.environ["XDG_CACHE_HOME"] = kept or empty
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                with Stopwatch() as watch:
+                    out = jax.block_until_ready(kernel.call())
+            kernel.check(out)
     finally:
         pallas_guard.uninstall()
+        if cache_home is None:
+            os.environ.pop("XDG_CACHE_HOME", None)
+        else:
+            os.environ["XDG_CACHE_HOME"] = cache_home
     return watch.sample
 
 

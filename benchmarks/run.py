@@ -51,6 +51,7 @@ GROUPS: dict[str, tuple[str, str]] = {
     "races": ("races", "4i. race check in the plain interpretation: first call and steady vs unchecked"),
     "sharded": ("sharded", "4j-4k. shard_map on 2, 4, 8 CPU devices: the compile check, the interpreted run"),
     "memory": ("memory", "4l. peak memory of a checked run vs unchecked, at model shapes"),
+    "checks_wide": ("checks_wide", "4m. checks=all first call vs unchecked, every corpus, one round"),
 }
 
 
