@@ -25,6 +25,7 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -174,6 +175,31 @@ def _median_row(name: str, ratios: dict[str, float], target: float | None, note:
     )
 
 
+def _family_rows(title: str, ratios: dict[str, float]) -> list[Row]:
+    """``title`` (``4f. checks=all first call``)'s median over each kernel family's kernels."""
+    rows = []
+    for family in FAMILIES:
+        of_family = {name: ratio for name, ratio in ratios.items() if _family(name) == family}
+        if of_family:
+            rows.append(_median_row(f"{title}: median over the {family} kernels", of_family, None, "n = kernels"))
+    return rows
+
+
+@contextlib.contextmanager
+def restored_guard() -> Iterator[None]:
+    """The guard as the benchmark found it once the block is done (rows install and uninstall it)."""
+    import pallas_guard
+
+    was_installed = pallas_guard._surfaces.install.status().requested
+    try:
+        yield
+    finally:
+        pallas_guard._vocabulary.settings.reset()
+        pallas_guard.uninstall()
+        if was_installed:
+            pallas_guard.install()
+
+
 def _warm(kernels: list[FirstCall]) -> str:
     """Runs each variant once on the cheap kernels and makes the TPU compiler's topology, untimed
     (a process pays both once); says how long the topology took."""
@@ -194,10 +220,12 @@ def _warm(kernels: list[FirstCall]) -> str:
 
 
 def rows(*, quick: bool = False, pairs: int | None = None) -> list[Row]:
-    import pallas_guard
+    with restored_guard():
+        return _rows(quick, pairs)
 
+
+def _rows(quick: bool, pairs: int | None) -> list[Row]:
     rounds = pairs or (1 if quick else 3)
-    was_installed = pallas_guard._surfaces.install.status().requested
     names = QUICK | frozenset(WARM) if quick else None
     kernels = [*_corpus(names), *_tpu_kernels(names)]
     warm_note = _warm(kernels)
@@ -262,11 +290,7 @@ def rows(*, quick: bool = False, pairs: int | None = None) -> list[Row]:
         met = statistics.median(without.values()) <= MEDIAN_TARGET
         verdict = f"; against the same {MEDIAN_TARGET:.1f}: {'would pass' if met else 'would MISS'}"
     result.append(everything)
-    for family in FAMILIES:
-        of_family = {name: ratio for name, ratio in medians[ALL].items() if _family(name) == family}
-        if of_family:
-            name = f"4f. checks=all first call: median over the {family} kernels"
-            result.append(_median_row(name, of_family, None, "n = kernels"))
+    result.extend(_family_rows("4f. checks=all first call", medians[ALL]))
     result.append(
         _median_row(
             f"4f. checks=all minus races ({WITHOUT_RACES}): median over the kernels",
@@ -293,10 +317,6 @@ def rows(*, quick: bool = False, pairs: int | None = None) -> list[Row]:
                 "n = kernels" + failing(check),
             )
         )
-    pallas_guard._vocabulary.settings.reset()
-    pallas_guard.uninstall()
-    if was_installed:
-        pallas_guard.install()
     return result
 
 

@@ -24,7 +24,19 @@ for path in (BENCH_DIR, BENCH_DIR.parent / "tests", BENCH_DIR.parent):
         sys.path.insert(0, str(path))
 
 from _harness import Row  # noqa: E402
-from checks import ALL, DEVICE, EVERY, FAMILIES, MEDIAN_TARGET, _corpus, _family, _first_call, _median_row, _warm, _why  # noqa: E402
+from checks import (  # noqa: E402
+    ALL,
+    DEVICE,
+    EVERY,
+    MEDIAN_TARGET,
+    _corpus,
+    _family_rows,
+    _first_call,
+    _median_row,
+    _warm,
+    _why,
+    restored_guard,
+)
 from first_call import FirstCall  # noqa: E402
 
 KEPT = "kept"
@@ -104,44 +116,27 @@ def _measure(kernels: list[FirstCall]) -> tuple[dict[str, dict[str, float]], dic
 
 
 def rows(*, quick: bool = False, pairs: int | None = None) -> list[Row]:
-    import pallas_guard
-
     del pairs  # one round: the median over the kernels is what is judged
-    was_installed = pallas_guard._surfaces.install.status().requested
-    kernels = _kernels(quick)
-    warm_note = _warm(kernels)  # the checks' modules, interpreters and the TPU topology: once per process
-    ratios, failed = _measure(kernels)
+    with restored_guard():
+        kernels = _kernels(quick)
+        warm_note = _warm(kernels)  # the checks' modules, interpreters and the TPU topology: once per process
+        ratios, failed = _measure(kernels)
     result = []
     for variant in VARIANTS[1:]:
-        values = ratios[variant]
         failing = f"; fails on {len(failed[variant])}: {', '.join(failed[variant])[:300]}" if failed[variant] else ""
         kept = "an earlier run's compile kept on disk" if variant == KEPT else "no compile kept on disk"
-        note = f"n = kernels; {kept}" + failing + (f"; {warm_note}" if warm_note else "")
+        title = f"4m. checks={_shown(variant)} first call"
         result.append(
             _median_row(
-                f"4m. checks={_shown(variant)} first call vs none, every corpus: median over the kernels",
-                values,
+                f"{title} vs none, every corpus: median over the kernels",
+                ratios[variant],
                 MEDIAN_TARGET if variant == ALL else None,
-                note,
+                f"n = kernels; {kept}" + failing + (f"; {warm_note}" if warm_note else ""),
             )
         )
-        for family in FAMILIES:
-            of_family = {name: ratio for name, ratio in values.items() if _family(name) == family}
-            if of_family:
-                result.append(
-                    _median_row(
-                        f"4m. checks={_shown(variant)} first call: median over the {family} kernels",
-                        of_family,
-                        None,
-                        "n = kernels",
-                    )
-                )
+        result.extend(_family_rows(title, ratios[variant]))
     if failed["none"]:
         result.append(Row("4m. kernels that fail without checks", None, note="; ".join(failed["none"])[:400]))
-    pallas_guard._vocabulary.settings.reset()
-    pallas_guard.uninstall()
-    if was_installed:
-        pallas_guard.install()
     return result
 
 
