@@ -1,7 +1,8 @@
 """The race check decided while tracing: where a kernel's DMAs in flight do not depend on its
 values (started and waited within a grid step or loop iteration), the evaluator follows them as
 rows known while tracing, and only an access whose overlap with a DMA in flight depends on traced
-indices gets a check. A kernel this way cannot follow (``Undecided``) gets the table instead."""
+indices gets a check. A kernel this way cannot follow (``Undecided``) is followed grid step by grid
+step (``dma_stepped``, on these rows), else gets the table."""
 
 from __future__ import annotations
 

@@ -7,7 +7,9 @@ DMA on the host, at tens of milliseconds a grid step. This check finds them at t
 interpreter's speed. Where a kernel's DMAs in flight do not depend on its values (started and
 waited within a grid step or loop iteration), they are decided while tracing (``dma_decided``): only
 an access whose overlap with a DMA in flight depends on traced indices gets a check, and a kernel
-with none is left as it is. Otherwise, before the kernel is interpreted, its jaxpr is traced again
+with none is left as it is. Where they cross grid steps but program ids, loop counters and
+constants alone place them, the grid is followed step by step while lowering (``dma_stepped``), and
+a kernel that never races is left as it is. Otherwise, before the kernel is interpreted, its jaxpr is traced again
 (``instrument``) with one more scratch buffer, the **table** of the DMAs in flight (``dma_table``:
 ``SLOTS`` rows of int32 fields:
 state, start order, semaphore, bytes, destination and source buffer and box), which the plain
@@ -36,6 +38,7 @@ from typing import Any
 
 from pallas_guard._checks.dma_decided import Decided
 from pallas_guard._checks.dma_jaxpr import CALLS, OpenBody, has_dmas, is_literal, sub_jaxprs, unflatten, unsupported
+from pallas_guard._checks.dma_stepped import race_free
 from pallas_guard._checks.dma_table import (
     DIMS,
     DST,
@@ -101,6 +104,16 @@ def instrument(params: dict[str, Any], instrumented: Instrumented) -> dict[str, 
             if not instrumented.points:  # no DMA in flight where the kernel touches its buffers
                 return params
             return {**params, "jaxpr": new_jaxpr, "grid_mapping": _with_scratch(grid_mapping, (*hoisted.values(),))}
+        grid = tuple(params["grid_mapping"].grid)
+        if (
+            FOLLOW_STEPS
+            and not vmapped
+            and all(isinstance(n, int) for n in grid)
+            and race_free(
+                jaxpr, grid, instrumented=instrumented, involved=involved, ref_type=ref_type, hoisted_ids=hoisted_ids
+            )
+        ):
+            return params  # its DMAs cross grid steps, and never race at any step
     table_aval = ref_type(jax.core.ShapedArray((SLOTS + 1, FIELDS), jax.numpy.int32))
     evaluator = Evaluator(instrumented, involved, ref_type, hoisted_ids)
     new_jaxpr = _trace_instrumented(jaxpr, grid_mapping, evaluator, kept=kept, hoisted=hoisted, table_aval=table_aval)
@@ -108,6 +121,10 @@ def instrument(params: dict[str, Any], instrumented: Instrumented) -> dict[str, 
     new_mapping = _with_scratch(grid_mapping, (*kept_avals, *hoisted.values(), table_aval))
     return {**params, "jaxpr": new_jaxpr, "grid_mapping": new_mapping}
 
+
+FOLLOW_STEPS = True
+"""Whether a kernel the trace cannot decide is followed grid step by grid step (``dma_stepped``)
+before the table. Off only where the table's own cost is measured."""
 
 DECIDE_WHILE_TRACING = True
 """Whether the check first tries to decide the DMAs in flight while tracing (``Decided``), before
