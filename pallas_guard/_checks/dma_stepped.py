@@ -7,8 +7,9 @@ DMA is in flight when the step ends. Here the kernel's jaxpr is evaluated once p
 the plain interpreter's order, the program ids given as numbers: index arithmetic is computed, the
 branch taken and the loop trip counts are known, and the DMAs in flight are carried from step to
 step as ``Decided``'s rows. A value the kernel loads from a buffer is unknown. Where every grid step
-is followed to the end and no access, DMA or wait ever meets a DMA in flight, the kernel races on
-no core: it needs no check at all. Anything else (an unknown value deciding a branch, a loop, a
+is followed to the end and no access, DMA or wait ever meets a DMA in flight, no step of the
+kernel races on its core: it needs no check at all (a race across cores is decided from the index
+maps, apart). Anything else (an unknown value deciding a branch, a loop, a
 DMA's region or an access that meets a DMA in flight; a possible race; too long a kernel to follow)
 raises ``_Undecided``, and the table follows the kernel at run time, as it did: a race is always
 found and described by the table."""
@@ -16,6 +17,7 @@ found and described by the table."""
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,8 +29,9 @@ BUDGET = 20_000
 """Equations evaluated over the whole grid, at most: past it the table follows the kernel (it is
 made once, whatever the grid)."""
 
-_LARGEST = 1024
-"""A known value with more elements is not computed (unknown): the check needs indices, not data."""
+_LARGEST = 64
+"""A known value with more elements is not computed (unknown): the check needs indices, not data
+(a kernel's zero-filled accumulator is not worth an eager computation of its own)."""
 
 
 class _Unknown:
@@ -70,12 +73,14 @@ class Stepped(Decided):
         self.rows = []
         self.left = BUDGET
         self.grid = tuple(int(n) for n in grid)
+        steps = math.prod(self.grid)
+        if steps > BUDGET:  # every step evaluates an equation at least
+            raise _Undecided
         refs = [v.aval for v in jaxpr.invars]  # a ref is its type here: it has no value
-        points = list(itertools.product(*(range(n) for n in self.grid)))
-        for index, point in enumerate(points):
+        for index, point in enumerate(itertools.product(*(range(n) for n in self.grid))):
             self.point = point
             self.run(jaxpr, (), refs, list(range(len(refs))))
-            self._end_of_step(last=index == len(points) - 1)
+            self._end_of_step(last=index == steps - 1)
 
     def _end_of_step(self, *, last: bool) -> None:
         for row in self.rows:
@@ -260,6 +265,8 @@ def _known(value: Any) -> Any:
     if isinstance(value, int | float | bool | np.generic | np.ndarray):
         return np.asarray(value)
     if hasattr(value, "__array__") and not isinstance(value, jax.core.Tracer):
+        if getattr(value, "size", _LARGEST + 1) > _LARGEST:
+            return UNKNOWN  # data, not an index: not copied to the host
         return np.asarray(value)  # a constant: a jax array, or a literal's own array type
     return UNKNOWN
 
@@ -283,6 +290,8 @@ _NUMPY = {
     "or": "bitwise_or",
     "not": "invert",
     "xor": "bitwise_xor",
+    "abs": "abs",
+    "sign": "sign",
 }
 
 
