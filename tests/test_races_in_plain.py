@@ -108,6 +108,8 @@ def test_the_race_check_in_plain_finds_what_tpu_interpret_modes_detector_finds(
     _, finding = _run(case)
     decisions = pallas_guard.decisions()
     assert {d.interpreter for d in decisions} == {"plain"}, decisions  # never moved off plain
+    # The check ran: a failure of its own would leave the kernel unchecked, with a note alone.
+    assert not [n for d in decisions for n in d.notes if "could not be checked" in n], decisions
     if case.kind is None:
         assert finding is None, finding
     else:
