@@ -22,12 +22,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from pallas_guard._checks.dma_decided import Decided, _Undecided
-from pallas_guard._checks.dma_jaxpr import CALLS, OpenBody, is_literal, scan_counts, sub_jaxprs
+from pallas_guard._checks.dma_jaxpr import CALLS, OpenBody, scan_counts, sub_jaxprs
 from pallas_guard._checks.dma_table import Instrumented
 
 BUDGET = 20_000
-"""Equations evaluated over the whole grid, at most: past it the table follows the kernel (it is
-made once, whatever the grid)."""
+"""Equations evaluated over the whole grid, at most (about 10-20 us each): past it the table
+follows the kernel, whose cost does not grow with the grid. A first step that, repeated, would pass
+it stops there."""
 
 _LARGEST = 64
 """A known value with more elements is not computed (unknown): the check needs indices, not data
@@ -80,6 +81,8 @@ class Stepped(Decided):
         for index, point in enumerate(itertools.product(*(range(n) for n in self.grid))):
             self.point = point
             self.run(jaxpr, (), refs, list(range(len(refs))))
+            if index == 0 and (BUDGET - self.left) * steps > BUDGET:
+                raise _Undecided  # as long a step each time would not fit: the table, without the wait
             self._end_of_step(last=index == steps - 1)
 
     def _end_of_step(self, *, last: bool) -> None:
@@ -91,32 +94,17 @@ class Stepped(Decided):
 
     # -- evaluation, on numbers --
 
-    def run(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], keys: Sequence[Any]) -> list[Any]:
-        inner = getattr(jaxpr, "jaxpr", jaxpr)
-        consts = list(getattr(jaxpr, "consts", consts))
-        env: dict[Any, Any] = {}
-        key_of: dict[Any, Any] = {}
-        for var, value in zip(getattr(inner, "constvars", ()), consts, strict=False):
-            env[var] = _known(value)
-        for var, value, key in zip(inner.invars, args, keys, strict=True):
-            env[var] = value
-            if key is not None:
-                key_of[var] = key
+    def constant(self, value: Any) -> Any:
+        return _known(value)
 
-        def read(atom: Any) -> Any:
-            return _literal(atom) if is_literal(atom) else env[atom]
+    def literal(self, atom: Any) -> Any:
+        return _literal(atom)
 
-        for eqn in inner.eqns:
-            self.left -= 1
-            if self.left < 0:
-                raise _Undecided
-            outs = self.equation(eqn, [read(a) for a in eqn.invars], key_of)
-            if not eqn.primitive.multiple_results:
-                outs = [outs]
-            for var, value in zip(eqn.outvars, outs, strict=True):
-                if type(var).__name__ != "DropVar":
-                    env[var] = value
-        return [read(a) for a in inner.outvars]
+    def each(self, eqn: Any, values: list[Any], key_of: dict[Any, Any]) -> Any:
+        self.left -= 1
+        if self.left < 0:
+            raise _Undecided
+        return self.equation(eqn, values, key_of)
 
     def equation(self, eqn: Any, values: list[Any], key_of: dict[Any, Any]) -> Any:
         name = eqn.primitive.name

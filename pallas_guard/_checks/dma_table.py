@@ -133,32 +133,43 @@ class Evaluator:
     # -- evaluation --
 
     def run(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], keys: Sequence[Any]) -> list[Any]:
-        from jax._src import source_info_util
-
         inner = getattr(jaxpr, "jaxpr", jaxpr)
         consts = list(getattr(jaxpr, "consts", consts))
         env: dict[Any, Any] = {}
         key_of: dict[Any, Any] = {}
         for var, value in zip(getattr(inner, "constvars", ()), consts, strict=False):
-            env[var] = value
+            env[var] = self.constant(value)
         for var, value, key in zip(inner.invars, args, keys, strict=True):
             env[var] = value
             if key is not None:
                 key_of[var] = key
 
         def read(atom: Any) -> Any:
-            return atom.val if is_literal(atom) else env[atom]
+            return self.literal(atom) if is_literal(atom) else env[atom]
 
         for eqn in inner.eqns:
-            values = [read(a) for a in eqn.invars]
-            with source_info_util.user_context(eqn.source_info.traceback, name_stack=eqn.source_info.name_stack):
-                outs = self.equation(eqn, values, key_of)
+            outs = self.each(eqn, [read(a) for a in eqn.invars], key_of)
             if not eqn.primitive.multiple_results:
                 outs = [outs]
             for var, value in zip(eqn.outvars, outs, strict=True):
                 if type(var).__name__ != "DropVar":
                     env[var] = value
         return [read(a) for a in inner.outvars]
+
+    def constant(self, value: Any) -> Any:
+        """A jaxpr's constant as the evaluation holds it."""
+        return value
+
+    def literal(self, atom: Any) -> Any:
+        """A literal operand as the evaluation holds it."""
+        return atom.val
+
+    def each(self, eqn: Any, values: list[Any], key_of: dict[Any, Any]) -> Any:
+        """One equation, bound again in the kernel's trace at its own source line."""
+        from jax._src import source_info_util
+
+        with source_info_util.user_context(eqn.source_info.traceback, name_stack=eqn.source_info.name_stack):
+            return self.equation(eqn, values, key_of)
 
     def equation(self, eqn: Any, values: list[Any], key_of: dict[Any, Any]) -> Any:
         name = eqn.primitive.name
