@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import line_of
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
@@ -558,3 +559,89 @@ def test_a_run_state_body_within_bounds_is_bit_identical_and_fully_checked() -> 
     assert np.asarray(out).tolist() == [float(2 * v) for v in range(16, 24)]
     notes = [n for d in pallas_guard.decisions() for n in d.notes]
     assert not [n for n in notes if "run_state" in n], notes
+
+
+# --- block copies decided while lowering ----------------------------------------------------------
+
+
+def _has_checks_at_run_time(call: Callable[[], Any]) -> bool:
+    """Whether the checked lowering of ``call`` holds a check that calls back to the host."""
+    return "callback" in jax.jit(call).lower().as_text()
+
+
+def tiled_double(x_ref, o_ref):  # type: ignore[no-untyped-def]
+    o_ref[...] = x_ref[...] * 2
+
+
+def _tiled(in_map: Any, *, squeezed: bool = False) -> Callable[[], Any]:
+    x = jnp.arange(32 * 16, dtype=jnp.float32).reshape(32, 16)
+    block = (None, 8) if squeezed else (8, 8)
+    out = jax.ShapeDtypeStruct((4, 16) if squeezed else (32, 16), jnp.float32)
+    return lambda: pl.pallas_call(
+        tiled_double,
+        out_shape=out,
+        grid=(4, 2),
+        in_specs=[pl.BlockSpec(block, in_map)],
+        out_specs=pl.BlockSpec(block, lambda i, j: (i, j)),
+    )(x)
+
+
+@pytest.mark.parametrize(
+    "in_map",
+    [
+        lambda i, j: (i, j),
+        lambda i, j: (3 - i, (j + 1) % 2),
+        lambda i, j: (jnp.minimum(i + 1, 3), lax.div(j, 2)),
+        lambda i, j: (jnp.where(i < 2, i + 2, i - 2), 1 - j),
+    ],
+    ids=["identity", "reversed", "clamped", "where"],
+)
+def test_block_copies_inside_at_every_grid_step_are_decided_while_lowering(in_map: Any) -> None:
+    """Index maps of program ids alone are computed over the whole grid while lowering: where every
+    block lies inside its array the kernel carries no check of its copies, and returns what it
+    returns unchecked."""
+    call = _tiled(in_map)
+    assert not _has_checks_at_run_time(call)
+    _same_as_unchecked(call)
+    with pallas_guard.policy(checks="none"):
+        assert not _has_checks_at_run_time(call)
+
+
+def test_a_block_copy_outside_at_one_grid_step_keeps_its_check_and_is_found() -> None:
+    call = _tiled(lambda i, j: (jnp.where(i == 3, 4, i), j))  # the last row of steps points past the array
+    assert _has_checks_at_run_time(call)
+    text = _finding(call, jit=True)
+    assert "the block of shape [8, 8] at element offset [32, 0] lies outside the array" in text
+    assert text.endswith(", at grid step (3, 0)")
+
+
+def test_squeezed_block_dimensions_are_decided_as_the_interpreter_places_them() -> None:
+    inside = _tiled(lambda i, j: (i + 28, j), squeezed=True)  # rows 28..31 of 32
+    assert not _has_checks_at_run_time(inside)
+    _same_as_unchecked(inside)
+    outside = _tiled(lambda i, j: (i + 29, j), squeezed=True)  # row 32 at the last step
+    assert _has_checks_at_run_time(outside)
+    assert "at element offset [32, 0] lies outside the array" in _finding(outside, jit=True)
+
+
+def test_a_grid_too_long_to_compute_while_lowering_is_checked_as_it_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pallas_guard._checks import on_numbers
+
+    monkeypatch.setattr(on_numbers, "GRID_POINTS", 4)  # the grid has 8 steps
+    call = _tiled(lambda i, j: (i, j))
+    assert _has_checks_at_run_time(call)
+    _same_as_unchecked(call)
+
+
+def test_an_index_map_reading_a_prefetched_value_is_checked_as_it_runs() -> None:
+    spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=1,
+        grid=(2,),
+        in_specs=[pl.BlockSpec((8,), lambda i, idx: (idx[i],))],
+        out_specs=pl.BlockSpec((8,), lambda i, idx: (i,)),
+    )
+    out = jax.ShapeDtypeStruct((16,), jnp.float32)
+    call = lambda: pl.pallas_call(block_from_prefetch, out_shape=out, grid_spec=spec)(  # noqa: E731
+        jnp.array([2, 0], jnp.int32), X
+    )
+    assert _has_checks_at_run_time(call)

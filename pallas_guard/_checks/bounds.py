@@ -24,6 +24,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
+from pallas_guard._checks import on_numbers
 from pallas_guard._checks import protocol as _checks
 from pallas_guard._checks.checked_plain import (
     NO_SITE,
@@ -67,6 +68,15 @@ class _Checking:
     computes where they start)."""
     discharging: list[int] = dataclasses.field(default_factory=lambda: [0])
     """How many jaxprs are being discharged, one inside the other: 1 at the kernel's top level."""
+    spans: dict[int, tuple[tuple[int, int], ...] | None] = dataclasses.field(default_factory=dict)
+    """Each block mapping's span over the grid (``_span``), by ``id``, once computed."""
+    known: dict[int, tuple[Any, tuple[tuple[int, int], ...]]] = dataclasses.field(default_factory=dict)
+    """The starts the trace computed whose span is known: ``id`` -> (the starts, their span)."""
+
+    def span(self, mapping: Any) -> tuple[tuple[int, int], ...] | None:
+        if id(mapping) not in self.spans:
+            self.spans[id(mapping)] = _span(mapping, getattr(self.grid_mapping, "grid", None))
+        return self.spans[id(mapping)]
 
 
 _checking: contextvars.ContextVar[_Checking | None] = contextvars.ContextVar("pallas_guard_bounds", default=None)
@@ -81,6 +91,7 @@ def _checking_in(state: _Checking) -> Iterator[None]:
     finally:
         _checking.reset(token)
         state.step.clear()  # tracers of this trace, which ends here
+        state.known.clear()
 
 
 # --- hooks: JAX's discharge rules and the interpreter's block copies, checking only when asked ---
@@ -178,10 +189,15 @@ def _counting_levels(evaluate: Callable[..., Any]) -> Callable[..., Any]:
 def _recording_step(start: Callable[..., Any]) -> Callable[..., Any]:
     def pallas_guard_block_start(self: Any, loop_idx: Any, *args: Any) -> Any:
         checking = _checking.get()
-        if checking is not None:
-            vmapped = getattr(checking.grid_mapping, "vmapped_dims", None) or ()
-            checking.step[:] = [index for axis, index in enumerate(loop_idx) if axis not in vmapped]
-        return start(self, loop_idx, *args)
+        if checking is None:
+            return start(self, loop_idx, *args)
+        vmapped = getattr(checking.grid_mapping, "vmapped_dims", None) or ()
+        checking.step[:] = [index for axis, index in enumerate(loop_idx) if axis not in vmapped]
+        starts = start(self, loop_idx, *args)
+        span = checking.span(self)
+        if span is not None:  # the copy of this block is checked against it, while tracing
+            checking.known[id(starts)] = (starts, span)
+        return starts
 
     pallas_guard_block_start.pallas_guard_checking = True  # type: ignore[attr-defined]
     return pallas_guard_block_start
@@ -393,7 +409,7 @@ def _check_block(checking: _Checking, start: Any, block: tuple[int, ...], value:
     )
     # The interpreter copies every block operand in order at each step: the count names this one.
     position = next(checking.copies)
-    if ok is True:
+    if ok is True or _inside_at_every_step(checking, start, block, shape):
         return  # a block index known while tracing, inside its array
     name, array, index_map = "an operand", shape, None
     if checking.blocks:
@@ -409,6 +425,42 @@ def _check_block(checking: _Checking, start: Any, block: tuple[int, ...], value:
         "points past the array's last block)"
     )
     _check(ok, message, starts, lambda: list(checking.step) or None)
+
+
+def _span(mapping: Any, grid: Any) -> tuple[tuple[int, int], ...] | None:
+    """The lowest and highest element at which ``mapping``'s block starts, per dimension, over
+    every step of ``grid``: its index map computed while lowering (``on_numbers.at_every_step``),
+    each block index turned into an element offset as the interpreter turns it. None where a start
+    is known only when the kernel runs."""
+    import numpy as np
+
+    indices = on_numbers.at_every_step(getattr(mapping, "index_map_jaxpr", None), grid)
+    dims = tuple(getattr(mapping, "block_shape", ()) or ())
+    if indices is None or len(indices) < len(dims):
+        return None
+    span = []
+    for index, dim in zip(indices, dims, strict=False):
+        kind = type(dim).__name__
+        factor = (
+            getattr(dim, "block_size", None) if kind == "Blocked" else 1 if kind in ("Squeezed", "Element") else None
+        )
+        if not isinstance(factor, int):
+            return None
+        starts = index.astype(np.int64) * factor
+        low, high = int(starts.min()), int(starts.max())
+        if low < -(2**31) or high >= 2**31:
+            return None  # the interpreter computes starts in int32: one that wraps is left to the check
+        span.append((low, high))
+    return tuple(span)
+
+
+def _inside_at_every_step(checking: _Checking, start: Any, block: tuple[int, ...], shape: tuple[int, ...]) -> bool:
+    """Whether ``start``, computed by the index map at the grid step being traced, puts the block
+    inside its (padded) array at every grid step: known while lowering, no check as the kernel runs."""
+    known = checking.known.get(id(start))
+    if known is None or known[0] is not start or len(known[1]) != len(shape) or len(block) != len(shape):
+        return False
+    return all(low >= 0 and high + b - 1 < n for (low, high), b, n in zip(known[1], block, shape, strict=True))
 
 
 def _padded(shape: tuple[int, ...], block: tuple[int, ...]) -> tuple[int, ...]:

@@ -24,6 +24,7 @@ from typing import Any
 from pallas_guard._checks.dma_decided import Decided, _Undecided
 from pallas_guard._checks.dma_jaxpr import CALLS, OpenBody, scan_counts, sub_jaxprs
 from pallas_guard._checks.dma_table import Instrumented
+from pallas_guard._checks.on_numbers import UNKNOWN, in_numpy
 
 BUDGET = 20_000
 """Equations evaluated over the whole grid, at most (about 10-20 us each): past it the table
@@ -33,14 +34,6 @@ it stops there."""
 _LARGEST = 64
 """A known value with more elements is not computed (unknown): the check needs indices, not data
 (a kernel's zero-filled accumulator is not worth an eager computation of its own)."""
-
-
-class _Unknown:
-    def __repr__(self) -> str:
-        return "unknown"
-
-
-UNKNOWN: Any = _Unknown()
 
 
 def race_free(
@@ -243,6 +236,29 @@ def _unknowns(eqn: Any) -> Any:
     return [UNKNOWN] * len(eqn.outvars) if eqn.primitive.multiple_results else UNKNOWN
 
 
+def _evaluate(eqn: Any, values: list[Any]) -> Any:
+    """The equation's outputs where all its inputs are known and small, else unknown."""
+    import numpy as np
+
+    outs = eqn.outvars
+    if not all(isinstance(v, np.ndarray) and v.size <= _LARGEST for v in values) or any(
+        getattr(getattr(v, "aval", None), "size", _LARGEST + 1) > _LARGEST for v in outs
+    ):
+        return _unknowns(eqn)  # a value loaded from a buffer, a ref, or data
+    computed = in_numpy(eqn, values)
+    if computed is not None:
+        return computed
+    if eqn.primitive.name in ("pjit", "closed_call") or eqn.effects:
+        return _unknowns(eqn)
+    try:
+        result = eqn.primitive.bind(*values, **eqn.params)
+    except Exception:  # a primitive that only lowers inside a kernel
+        return _unknowns(eqn)
+    if eqn.primitive.multiple_results:
+        return [_known(np.asarray(r)) for r in result]
+    return _known(np.asarray(result))
+
+
 def _known(value: Any) -> Any:
     """A value known while lowering, as a numpy array; unknown where it is not one (a tracer, a ref)."""
     import jax
@@ -257,77 +273,3 @@ def _known(value: Any) -> Any:
             return UNKNOWN  # data, not an index: not copied to the host
         return np.asarray(value)  # a constant: a jax array, or a literal's own array type
     return UNKNOWN
-
-
-# Integer index arithmetic in numpy, as lax computes it (0-d arrays wrap on overflow, silently);
-# anything else is computed by the primitive itself.
-_NUMPY = {
-    "add": "add",
-    "sub": "subtract",
-    "mul": "multiply",
-    "neg": "negative",
-    "max": "maximum",
-    "min": "minimum",
-    "eq": "equal",
-    "ne": "not_equal",
-    "lt": "less",
-    "le": "less_equal",
-    "gt": "greater",
-    "ge": "greater_equal",
-    "and": "bitwise_and",
-    "or": "bitwise_or",
-    "not": "invert",
-    "xor": "bitwise_xor",
-    "abs": "abs",
-    "sign": "sign",
-}
-
-
-def _evaluate(eqn: Any, values: list[Any]) -> Any:
-    """The equation's outputs where all its inputs are known and small, else unknown."""
-    import numpy as np
-
-    outs = eqn.outvars
-    if not all(isinstance(v, np.ndarray) and v.size <= _LARGEST for v in values) or any(
-        getattr(getattr(v, "aval", None), "size", _LARGEST + 1) > _LARGEST for v in outs
-    ):
-        return _unknowns(eqn)  # a value loaded from a buffer, a ref, or data
-    computed = _in_numpy(eqn, values)
-    if computed is not None:
-        return computed
-    if eqn.primitive.name in ("pjit", "closed_call") or eqn.effects:
-        return _unknowns(eqn)
-    try:
-        result = eqn.primitive.bind(*values, **eqn.params)
-    except Exception:  # a primitive that only lowers inside a kernel
-        return _unknowns(eqn)
-    if eqn.primitive.multiple_results:
-        return [_known(np.asarray(r)) for r in result]
-    return _known(np.asarray(result))
-
-
-_SAME = frozenset({"multiple_of"})
-"""Primitives whose output is their input (a hint to the compiler)."""
-
-
-def _in_numpy(eqn: Any, values: list[Any]) -> Any:
-    """Integer index arithmetic computed in numpy, as lax computes it; None for anything else."""
-    import numpy as np
-
-    name = eqn.primitive.name
-    dtype = getattr(getattr(eqn.outvars[0], "aval", None), "dtype", None) if eqn.outvars else None
-    if dtype is None or not all(np.issubdtype(v.dtype, np.integer) or v.dtype == np.bool_ for v in values):
-        return None
-    if name in _NUMPY or name in _SAME:
-        return values[0] if name in _SAME else np.asarray(getattr(np, _NUMPY[name])(*values), dtype=dtype)
-    if name in ("rem", "div") and np.all(values[1] != 0) and all(v.dtype.itemsize <= 4 for v in values):
-        # lax's integer division and remainder truncate toward zero (C's), not numpy's floor; in 64
-        # bits, where no absolute value of 32 overflows.
-        a, b = values[0].astype(np.int64), values[1].astype(np.int64)
-        quotient = np.sign(a) * np.sign(b) * (np.abs(a) // np.abs(b))
-        return np.asarray(quotient if name == "div" else a - quotient * b).astype(dtype)
-    if name == "select_n":
-        return np.asarray(np.choose(values[0].astype(np.int32), values[1:]), dtype=dtype)
-    if name == "convert_element_type" and np.issubdtype(np.dtype(eqn.params["new_dtype"]), np.integer):
-        return values[0].astype(eqn.params["new_dtype"])
-    return None

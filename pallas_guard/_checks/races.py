@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
 import numpy as np
 
 from pallas_guard._checks import dma_races as _dma_races
+from pallas_guard._checks import on_numbers
 from pallas_guard._checks import protocol as _checks
 from pallas_guard._checks.checked_plain import Active, PlainLowering, TableEntry, check_vector, site_text
 from pallas_guard._checks.dma_jaxpr import has_dmas
@@ -281,31 +282,25 @@ def _judging_wait(rule: Callable[..., Any], read: Callable[..., Any], leading: i
 
 # --- an output block written across a parallel grid axis ----------------------------------------------
 
-_GRID_POINTS = 1 << 20
-"""Index maps are evaluated at every grid point up to this many (a larger grid is not judged)."""
-
 
 def split_between_cores(params: Mapping[str, Any]) -> _diagnostics.CoreSplit | None:
     """The first output block that iterations with different values of a grid axis declared
     ``"parallel"`` or ``"core_parallel"`` both visit, or None: on a chip with two TensorCores each
     core takes a share of such an axis and writes its own copy of the block back."""
-    import jax
-
     semantics = jax_pallas.dimension_semantics(params)
     grid = jax_pallas.equation_grid(params)
     maps = jax_pallas.output_index_maps(params)
     if not semantics or grid is None or maps is None or not all(isinstance(n, int) for n in grid):
         return None
     split = [a for a, word in enumerate(semantics) if a < len(grid) and "parallel" in word and grid[a] > 1]
-    if not split or math.prod(grid) > _GRID_POINTS:
+    if not split or math.prod(grid) > on_numbers.GRID_POINTS:
         return None
     points = np.indices(grid, dtype=np.int32).reshape(len(grid), -1)
     for output, closed in enumerate(maps):
-        try:
-            evaluate = jax.vmap(functools.partial(jax.core.eval_jaxpr, closed.jaxpr, closed.consts))
-            blocks = np.stack([np.asarray(b).reshape(-1) for b in evaluate(*points)], axis=1)
-        except Exception:
+        at_steps = on_numbers.at_every_step(closed, grid)
+        if at_steps is None:
             continue
+        blocks = np.stack([index.reshape(-1) for index in at_steps], axis=1)
         _, block_of = np.unique(blocks, axis=0, return_inverse=True)
         block_of = block_of.reshape(-1)
         for axis in split:
