@@ -593,8 +593,9 @@ def _tiled(in_map: Any, *, squeezed: bool = False) -> Callable[[], Any]:
         lambda i, j: (3 - i, (j + 1) % 2),
         lambda i, j: (jnp.minimum(i + 1, 3), lax.div(j, 2)),
         lambda i, j: (jnp.where(i < 2, i + 2, i - 2), 1 - j),
+        lambda i, j: ((i / 2).astype(jnp.int32) * 2, j),  # float arithmetic: JAX's own evaluation
     ],
-    ids=["identity", "reversed", "clamped", "where"],
+    ids=["identity", "reversed", "clamped", "where", "float"],
 )
 def test_block_copies_inside_at_every_grid_step_are_decided_while_lowering(in_map: Any) -> None:
     """Index maps of program ids alone are computed over the whole grid while lowering: where every

@@ -68,7 +68,8 @@ def _in_jax(index_map: Any, grid: tuple[int, ...]) -> list[Any]:
     import numpy as np
 
     points = np.indices(grid, dtype=np.int32).reshape(len(grid), -1)
-    evaluated = jax.vmap(functools.partial(jax.core.eval_jaxpr, index_map.jaxpr, index_map.consts))(*points)
+    with jax.ensure_compile_time_eval():  # numbers, also where a kernel is being traced
+        evaluated = jax.vmap(functools.partial(jax.core.eval_jaxpr, index_map.jaxpr, index_map.consts))(*points)
     return [np.asarray(index).reshape(grid) for index in evaluated]
 
 
