@@ -1,5 +1,6 @@
 """What a kernel's jaxpr holds, read for the race check: its DMAs, the control flow the check
-follows, the refs an equation accesses and through which views."""
+follows, the refs an equation accesses and through which views; and the one walk over a jaxpr's
+equations that every evaluation of one (traced, step by step, on numbers) specialises."""
 
 from __future__ import annotations
 
@@ -121,3 +122,46 @@ def aval(value: Any) -> Any:
         return typeof(value) if typeof is not None else getattr(value, "aval", None)
     except Exception:  # a jaxpr variable, not a value
         return getattr(value, "aval", None)
+
+
+class Walk:
+    """One walk over a jaxpr's equations, in order, each given its operands' values; an evaluation
+    says how it holds constants and literals and what each equation gives (``each``)."""
+
+    def run(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], keys: Sequence[Any]) -> list[Any]:
+        """``jaxpr``'s outputs from ``args``; ``keys`` names what each argument is (None: nothing
+        the evaluation follows), passed on to ``each``."""
+        inner = getattr(jaxpr, "jaxpr", jaxpr)
+        consts = list(getattr(jaxpr, "consts", consts))
+        env: dict[Any, Any] = {}
+        key_of: dict[Any, Any] = {}
+        for var, value in zip(getattr(inner, "constvars", ()), consts, strict=False):
+            env[var] = self.constant(value)
+        for var, value, key in zip(inner.invars, args, keys, strict=True):
+            env[var] = value
+            if key is not None:
+                key_of[var] = key
+
+        def read(atom: Any) -> Any:
+            return self.literal(atom) if is_literal(atom) else env[atom]
+
+        for eqn in inner.eqns:
+            outs = self.each(eqn, [read(a) for a in eqn.invars], key_of)
+            if not eqn.primitive.multiple_results:
+                outs = [outs]
+            for var, value in zip(eqn.outvars, outs, strict=True):
+                if type(var).__name__ != "DropVar":
+                    env[var] = value
+        return [read(a) for a in inner.outvars]
+
+    def constant(self, value: Any) -> Any:
+        """A jaxpr's constant as the evaluation holds it."""
+        return value
+
+    def literal(self, atom: Any) -> Any:
+        """A literal operand as the evaluation holds it."""
+        return atom.val
+
+    def each(self, eqn: Any, values: list[Any], key_of: dict[Any, Any]) -> Any:
+        """One equation's outputs (a list where it has several)."""
+        raise NotImplementedError

@@ -19,6 +19,7 @@ from pallas_guard._checks.dma_jaxpr import (
     CALLS,
     OpenBody,
     Viewed,
+    Walk,
     aval,
     has_dmas,
     is_literal,
@@ -113,7 +114,7 @@ class Instrumented:
         return self.sites.index(text)
 
 
-class Evaluator:
+class Evaluator(Walk):
     """Evaluates a kernel's jaxpr in the trace of the instrumented kernel, binding each equation again
     and adding the table's reads, updates and checks around DMAs and accesses to DMA'd buffers."""
 
@@ -131,38 +132,6 @@ class Evaluator:
         self.accesses = {id(a.primitive): a for a in jax_state.ref_accesses() if a.kind != "copy"}
 
     # -- evaluation --
-
-    def run(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], keys: Sequence[Any]) -> list[Any]:
-        inner = getattr(jaxpr, "jaxpr", jaxpr)
-        consts = list(getattr(jaxpr, "consts", consts))
-        env: dict[Any, Any] = {}
-        key_of: dict[Any, Any] = {}
-        for var, value in zip(getattr(inner, "constvars", ()), consts, strict=False):
-            env[var] = self.constant(value)
-        for var, value, key in zip(inner.invars, args, keys, strict=True):
-            env[var] = value
-            if key is not None:
-                key_of[var] = key
-
-        def read(atom: Any) -> Any:
-            return self.literal(atom) if is_literal(atom) else env[atom]
-
-        for eqn in inner.eqns:
-            outs = self.each(eqn, [read(a) for a in eqn.invars], key_of)
-            if not eqn.primitive.multiple_results:
-                outs = [outs]
-            for var, value in zip(eqn.outvars, outs, strict=True):
-                if type(var).__name__ != "DropVar":
-                    env[var] = value
-        return [read(a) for a in inner.outvars]
-
-    def constant(self, value: Any) -> Any:
-        """A jaxpr's constant as the evaluation holds it."""
-        return value
-
-    def literal(self, atom: Any) -> Any:
-        """A literal operand as the evaluation holds it."""
-        return atom.val
 
     def each(self, eqn: Any, values: list[Any], key_of: dict[Any, Any]) -> Any:
         """One equation, bound again in the kernel's trace at its own source line."""

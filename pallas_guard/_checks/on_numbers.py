@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from pallas_guard._checks.dma_jaxpr import CALLS, is_literal, sub_jaxprs
+from pallas_guard._checks.dma_jaxpr import CALLS, Walk, sub_jaxprs
 
 
 class _Unknown:
@@ -78,29 +78,33 @@ def evaluate(jaxpr: Any, args: Sequence[Any]) -> list[Any]:
     every grid step at once (they broadcast); UNKNOWN where an output is not computed here."""
     import numpy as np
 
-    inner = getattr(jaxpr, "jaxpr", jaxpr)
-    env: dict[Any, Any] = {}
-    for var, value in zip(inner.constvars, getattr(jaxpr, "consts", ()), strict=False):
-        env[var] = np.asarray(value) if isinstance(value, np.ndarray | np.generic | int) else UNKNOWN
-    env.update(zip(inner.invars, [np.asarray(a) if isinstance(a, np.generic) else a for a in args], strict=True))
+    given = [np.asarray(a) if isinstance(a, np.generic) else a for a in args]
+    return _OnNumbers().run(jaxpr, (), given, [None] * len(given))
 
-    def read(atom: Any) -> Any:
-        if not is_literal(atom):
-            return env[atom]
+
+class _OnNumbers(Walk):
+    def constant(self, value: Any) -> Any:
+        import numpy as np
+
+        return np.asarray(value) if isinstance(value, np.ndarray | np.generic | int) else UNKNOWN
+
+    def literal(self, atom: Any) -> Any:
+        import numpy as np
+
         dtype = getattr(getattr(atom, "aval", None), "dtype", None)
         return UNKNOWN if dtype is None else np.asarray(atom.val, dtype=dtype)
 
-    for eqn in inner.eqns:
-        values = [read(a) for a in eqn.invars]
+    def each(self, eqn: Any, values: list[Any], key_of: dict[Any, Any]) -> Any:
+        import numpy as np
+
         outs: Any = None
         if eqn.primitive.name in CALLS and sub_jaxprs(eqn):
             outs = evaluate(sub_jaxprs(eqn)[0], values)
         elif all(isinstance(v, np.ndarray) for v in values) and not eqn.primitive.multiple_results:
-            computed = in_numpy(eqn, values)
-            outs = None if computed is None else [computed]
-        for var, value in zip(eqn.outvars, outs or [UNKNOWN] * len(eqn.outvars), strict=True):
-            env[var] = value
-    return [read(a) for a in inner.outvars]
+            outs = in_numpy(eqn, values)
+        if outs is None:
+            return [UNKNOWN] * len(eqn.outvars) if eqn.primitive.multiple_results else UNKNOWN
+        return outs
 
 
 # Integer index arithmetic in numpy, as lax computes it (numpy wraps on overflow, as lax does).
